@@ -1,0 +1,163 @@
+"""`finetune`: validate, train, export, and build the offline tiny model and corpus."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from app import config as config_mod
+from app.config import ConfigError, Problem
+
+EXIT_INVALID = 2
+log = logging.getLogger("finetune")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="training config YAML (omit for the tutorial's defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config value, e.g. --set train.epochs=2 (repeatable; value parsed as YAML)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="finetune",
+        description="Fine-tune causal language models with Ray Train and DeepSpeed ZeRO, on CPUs or a Ray cluster.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("validate", help="check a config; print it resolved and the final DeepSpeed config",
+                       description="Check a training config and print the resolved config and the DeepSpeed "
+                                   "config JSON. Exit 0 when valid, 2 with one line per problem otherwise.")
+    _add_config_args(p)
+    p.add_argument("--online", action="store_true", help="allow downloading the model config to check it")
+    p.add_argument("--ds-config-only", action="store_true", help="print only the DeepSpeed config JSON")
+
+    p = sub.add_parser("train", help="train (or resume) an experiment",
+                       description="Train, or resume the experiment of the same name from its last complete "
+                                   "checkpoint. Validates first and writes nothing when the config is invalid.")
+    _add_config_args(p)
+
+    p = sub.add_parser("export", help="write a Hugging Face folder from a checkpoint",
+                       description="Consolidate a DeepSpeed checkpoint (any ZeRO stage) into a Hugging Face "
+                                   "folder with safetensors weights and the tokenizer.")
+    p.add_argument("checkpoint", help="checkpoint folder, e.g. <storage>/<experiment>/checkpoints/step-00000030")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights precision (default: training's)")
+
+    p = sub.add_parser("tiny", help="build the offline tiny GPT-2 model and text corpus",
+                       description="Write a tiny GPT-2-style model folder (random weights, BPE tokenizer trained "
+                                   "offline) and a generated ag_news-like corpus, for runs without a hub.")
+    p.add_argument("--model-dir", default=".local/tiny-gpt2", help="model folder to create")
+    p.add_argument("--corpus", default="examples/data/tiny-news.jsonl", help="corpus file (created if missing)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    try:
+        return {"validate": cmd_validate, "train": cmd_train, "export": cmd_export, "tiny": cmd_tiny}[args.command](args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    except Problem as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+def _load(args) -> config_mod.TrainingConfig:
+    cfg = config_mod.resolve(config_mod.load(args.config, args.overrides))
+    cfg.experiment.storage_path = str(Path(cfg.experiment.storage_path).expanduser().absolute())
+    # Workers run in other folders: local paths are made absolute here, where they were written.
+    for section, key in (("model", "name_or_path"), ("model", "tokenizer"), ("data", "dataset")):
+        value = getattr(getattr(cfg, section), key)
+        if value and not value.startswith("/") and Path(value).expanduser().exists():
+            setattr(getattr(cfg, section), key, str(Path(value).expanduser().absolute()))
+    return cfg
+
+
+def cmd_validate(args) -> int:
+    from app import driver
+
+    cfg = _load(args)
+    ds, note = driver.check(cfg, offline=not args.online)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    if not args.ds_config_only:
+        print("# training config (resolved)")
+        print(config_mod.to_yaml(cfg), end="")
+        print("# deepspeed config")
+    print(json.dumps(ds, indent=2))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from app import driver
+
+    cfg = _load(args)
+    ds, note = driver.check(cfg, offline=False)
+    if note:
+        raise ConfigError([Problem("model.name_or_path", cfg.model.name_or_path, "cannot read the model config",
+                                   "check the name, the network or HF_HOME, or use a local folder")])
+    banner = f"experiment: {cfg.experiment.name}   (deploy again with this name to resume)"
+    print("=" * len(banner), banner, f"storage:    {cfg.experiment_dir}", "=" * len(banner), sep="\n", flush=True)
+    try:
+        result = driver.run(cfg, ds)
+    except Exception as exc:  # noqa: BLE001 - Ray already logged the workers' tracebacks
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: training of {cfg.experiment.name} failed: {first}", file=sys.stderr)
+        print(f"       completed checkpoints stay in {cfg.experiment_dir}/checkpoints; deploy again to resume",
+              file=sys.stderr)
+        return 1
+    final = cfg.experiment_dir / "final"
+    metrics = result.metrics or {}
+    print(f"done: {cfg.experiment.name} at global step {metrics.get('global_step')}, checkpoint {metrics.get('checkpoint')}")
+    if (final / "model.safetensors").exists() or any(final.glob("*.safetensors")):
+        print(f"final model: {final}")
+        if cfg.scaling.use_gpu is False:
+            print(f"sample: {sample_generation(final)!r}")
+    return 0
+
+
+def sample_generation(folder: Path, prompt: str = "The central bank", tokens: int = 12) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0], skip_special_tokens=True)
+
+
+def cmd_export(args) -> int:
+    from app.checkpoint import export
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    src = Path(args.checkpoint)
+    if not (src / "ds").is_dir():
+        raise Problem("CHECKPOINT", str(src), "not a checkpoint folder of this app (no ds/ inside)",
+                      "pass <storage>/<experiment>/checkpoints/step-NNNNNNNN")
+    out = export(src, Path(args.out), args.dtype)
+    print(f"exported: {out}")
+    return 0
+
+
+def cmd_tiny(args) -> int:
+    from app.tiny import build_tiny_model, write_corpus
+
+    corpus = Path(args.corpus)
+    if not corpus.exists():
+        write_corpus(corpus)
+    out = build_tiny_model(Path(args.model_dir), corpus)
+    print(f"tiny model: {out}\ncorpus: {corpus}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

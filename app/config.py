@@ -1,0 +1,337 @@
+"""The training config: one YAML document, validated by typed models.
+
+Every constant of the Ray/DeepSpeed tutorial is a field here with the tutorial's value as its default, so
+an empty config reproduces the tutorial. The `deepspeed` section is a DeepSpeed config passed through as
+is; its "auto" values are filled by `app.ds_config`.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+import secrets
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_EXPERIMENT_NAME = 40  # leaves room for "-head-xxxxx"-style suffixes in a 47-char RayJob name
+NAME_PREFIX = "deepspeed-sample"
+
+
+class Problem(Exception):
+    """One invalid input: the field, the value, what is wrong and how to fix it."""
+
+    def __init__(self, field: str, value: Any, message: str, fix: str = ""):
+        self.field, self.value, self.message, self.fix = field, value, message, fix
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        text = f"{self.field}: {self.message} (got {_short(self.value)})"
+        return f"{text}. Fix: {self.fix}" if self.fix else text
+
+
+class ConfigError(Exception):
+    """All problems found in one config; the CLI prints one line each and exits 2."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ExperimentConfig(Section):
+    name: str | None = Field(
+        None,
+        description="Identity of the run: its folder under storage_path, the Kubernetes object names and the key "
+        "to resume. A DNS-1035 label of at most 40 characters. Default: deepspeed-sample-<8 hex>.",
+    )
+    storage_path: str = Field(
+        "/mnt/cluster_storage/",
+        description="Shared folder (a ReadWriteMany volume on Kubernetes) for checkpoints, logs and the final model.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if len(v) > MAX_EXPERIMENT_NAME or not DNS1035.match(v):
+            raise ValueError(
+                f"must be a DNS-1035 label of at most {MAX_EXPERIMENT_NAME} characters (lowercase letters, digits "
+                "and '-', starting with a letter, not ending with '-'), because it also names Kubernetes objects"
+            )
+        return v
+
+    @field_validator("storage_path")
+    @classmethod
+    def _non_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be a folder path")
+        return v
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field("gpt2", description="Hugging Face hub name or a local from_pretrained folder.")
+    tokenizer: str | None = Field(None, description="Tokenizer name or folder; default: name_or_path.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    dropout: float | None = Field(
+        None, ge=0, le=1, description="Override every dropout probability of the model config (null: keep)."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless you trust it).")
+    liger_kernels: bool = Field(
+        False, description="Patch supported models with Liger's fused kernels (needs liger-kernel and a GPU)."
+    )
+
+
+class DataConfig(Section):
+    dataset: str = Field(
+        "ag_news",
+        description="Hub dataset name, a local file/folder/glob of json, jsonl, csv, parquet or txt, "
+        "or a save_to_disk folder.",
+    )
+    config_name: str | None = Field(None, description="Hub dataset config name.")
+    split: str = Field("train[:1%]", description="Split with the `datasets` slicing syntax.")
+    text_field: str = Field("text", description="Column holding the text to train on.")
+    eval_split: str | None = Field(None, description="Evaluation split (same syntax); excludes eval_fraction.")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of the train split for eval.")
+    seq_length: int = Field(512, gt=0, description="Tokens per sequence (block size when packing).")
+    packing: bool = Field(
+        True,
+        description="Concatenate documents with EOS between them into full seq_length blocks (no padding). "
+        "false: the tutorial's pad-to-seq_length, with padding excluded from the loss.",
+    )
+    shuffle: bool = Field(True, description="Shuffle each epoch (seeded by train.seed, resumable).")
+    num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (null: up to 8, by CPUs).")
+    loader_workers: int = Field(1, ge=0, description="DataLoader worker processes per training worker.")
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataConfig:
+        if self.eval_split and self.eval_fraction:
+            raise ValueError("set eval_split or eval_fraction, not both")
+        return self
+
+
+class TrainConfig(Section):
+    epochs: int = Field(1, ge=1, description="Passes over the training split.")
+    max_steps_per_epoch: int | None = Field(
+        30, ge=1, description="Optimizer steps per epoch (the tutorial's 30); null: the whole epoch."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Total optimizer steps; null: all epochs.")
+    micro_batch_size: int = Field(1, ge=1, description="Sequences per worker per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="constant (the tutorial's), or linear/cosine decay after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 turns it off.")
+    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Fills deepspeed bf16/fp16 'auto'.")
+    seed: int = Field(42, description="Seeds model init, data order and dropout on every rank.")
+    log_every_steps: int = Field(1, ge=1, description="Progress line and TensorBoard scalars every N steps.")
+    eval_every_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and at the end).")
+    eval_max_batches: int | None = Field(None, ge=1, description="Cap on eval batches per evaluation.")
+    stop_after_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Stop the run (as a preemption would) after this global step, once its checkpoint is "
+        "saved; the next deploy resumes. For drills and tests.",
+    )
+
+
+class CheckpointConfig(Section):
+    every_steps: int | None = Field(
+        None, ge=1, description="Save every N optimizer steps, in addition to each epoch's end."
+    )
+    keep: int = Field(3, ge=1, description="Checkpoints kept (Ray's CheckpointConfig.num_to_keep).")
+    export_final: bool = Field(True, description="Write <storage>/<experiment>/final/ as a Hugging Face folder.")
+
+
+class ScalingConfig(Section):
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (one per GPU when use_gpu).")
+    use_gpu: bool = Field(True, description="One GPU per worker, NCCL; false: CPU workers, gloo, DS_ACCELERATOR=cpu.")
+    cpus_per_worker: float = Field(1, gt=0, description="CPUs Ray reserves for each worker.")
+    max_failures: int = Field(
+        0, ge=-1, description="Worker-group restarts within one run (Ray's FailureConfig; -1: unlimited)."
+    )
+
+
+def tutorial_ds_config() -> dict[str, Any]:
+    """The tutorial's DeepSpeed config, with the values it hard-codes turned into "auto"."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "grad_accum_dtype": "bf16",
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+class TrainingConfig(Section):
+    """The whole training config file."""
+
+    experiment: ExperimentConfig = ExperimentConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    scaling: ScalingConfig = ScalingConfig()
+    deepspeed: dict[str, Any] = Field(
+        default_factory=tutorial_ds_config,
+        description='A DeepSpeed config passed through as is; "auto" values are filled from the other sections.',
+    )
+
+    @property
+    def experiment_dir(self) -> Path:
+        assert self.experiment.name, "resolve() names the experiment"
+        return Path(self.experiment.storage_path) / self.experiment.name
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+
+def set_override(doc: dict[str, Any], assignment: str) -> None:
+    """Apply one `--set a.b=c` override (value parsed as YAML, like helm's --set)."""
+    if "=" not in assignment:
+        raise ConfigError([Problem("--set", assignment, "expected KEY=VALUE", "write e.g. --set train.epochs=2")])
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError([Problem("--set", assignment, "empty key segment", "write dotted keys like a.b.c")])
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node = doc
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def load_document(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    doc: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([Problem("CONFIG", str(path), f"cannot read: {exc.strerror}", "pass a YAML file")])
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError([Problem("CONFIG", str(path), f"not valid YAML: {exc}".replace("\n", " "), "fix the syntax")])
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError([Problem("CONFIG", str(path), "must be a YAML mapping of sections", "see examples/")])
+        doc = loaded
+    for assignment in overrides:
+        set_override(doc, assignment)
+    return doc
+
+
+def parse(doc: dict[str, Any]) -> TrainingConfig:
+    """Validate a document's shape and types; every problem becomes a `Problem` naming the field."""
+    doc = copy.deepcopy(doc)
+    if isinstance(doc.get("deepspeed"), dict):
+        # The user's deepspeed block is merged over the tutorial's, so setting one key keeps the rest.
+        doc["deepspeed"] = deep_merge(tutorial_ds_config(), doc["deepspeed"])
+    try:
+        return TrainingConfig.model_validate(doc)
+    except ValidationError as exc:
+        raise ConfigError([_problem_from_pydantic(err) for err in exc.errors()]) from None
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
+    loc = [str(p) for p in err["loc"]]
+    field = ".".join(loc) or "CONFIG"
+    value = err.get("input")
+    if err["type"] == "extra_forbidden":
+        known = _known_keys(loc[:-1])
+        guess = difflib.get_close_matches(loc[-1], known, n=1)
+        fix = f"did you mean '{guess[0]}'?" if guess else f"known keys here: {', '.join(sorted(known))}"
+        return Problem(field, value, "unknown key", fix)
+    msg = err["msg"].removeprefix("Value error, ")
+    fix = {
+        "literal_error": "use one of the listed values",
+        "int_parsing": "use a whole number",
+        "float_parsing": "use a number",
+        "bool_parsing": "use true or false",
+        "model_type": "use a mapping of keys",
+        "dict_type": "use a mapping of keys",
+    }.get(err["type"], "see the field's description in README.md")
+    if loc and loc[-1] == "name":
+        fix = "rename it, e.g. 'gpt2-agnews-1'"
+    return Problem(field, value, msg, fix)
+
+
+def _known_keys(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = TrainingConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def resolve(cfg: TrainingConfig) -> TrainingConfig:
+    """Fill what the config leaves open; the generated experiment name is the key to resume."""
+    if cfg.experiment.name is None:
+        cfg.experiment.name = f"{NAME_PREFIX}-{secrets.token_hex(4)}"
+    return cfg
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainingConfig:
+    return parse(load_document(path, overrides))
+
+
+def to_yaml(cfg: TrainingConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

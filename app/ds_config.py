@@ -1,0 +1,173 @@
+"""The DeepSpeed config builder: fills "auto" values the way the Hugging Face integration does.
+
+The `deepspeed` section is passed through unchanged except for "auto" values, which come from the other
+sections (batch sizes, clipping, precision) and from the model's hidden size (ZeRO-3 bucket sizes), and
+the mistakes DeepSpeed would silently accept (offload keys at the top level) are rejected here.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from app.config import ConfigError, Problem, TrainingConfig
+
+AUTO = "auto"
+OFFLOAD_KEYS = ("offload_param", "offload_optimizer")
+
+
+def check(cfg: TrainingConfig) -> list[Problem]:
+    """Problems in the deepspeed block that can be seen without the model."""
+    ds, problems = cfg.deepspeed, []
+    for key in OFFLOAD_KEYS:
+        if key in ds:
+            problems.append(
+                Problem(
+                    f"deepspeed.{key}",
+                    ds[key],
+                    "offload settings at the top level of the DeepSpeed config are ignored by DeepSpeed",
+                    f"move it to deepspeed.zero_optimization.{key}",
+                )
+            )
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        return problems + [Problem("deepspeed.zero_optimization", zero, "must be a mapping", "see DeepSpeed docs")]
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        problems.append(Problem("deepspeed.zero_optimization.stage", stage, "ZeRO stage must be 0, 1, 2 or 3", "set 0-3"))
+        stage = 3
+    if _offload_device(zero.get("offload_param")) and stage < 3:
+        problems.append(
+            Problem(
+                "deepspeed.zero_optimization.offload_param",
+                zero["offload_param"],
+                f"parameter offload needs ZeRO stage 3, the stage is {stage}",
+                "set deepspeed.zero_optimization.stage=3 or remove offload_param",
+            )
+        )
+    if _offload_device(zero.get("offload_optimizer")) and stage == 0:
+        problems.append(
+            Problem(
+                "deepspeed.zero_optimization.offload_optimizer",
+                zero["offload_optimizer"],
+                "optimizer offload needs ZeRO stage 1, 2 or 3",
+                "raise deepspeed.zero_optimization.stage or remove offload_optimizer",
+            )
+        )
+    wanted = {"bf16": cfg.train.precision == "bf16", "fp16": cfg.train.precision == "fp16"}
+    enabled = {}
+    for key in ("bf16", "fp16"):
+        value = ds.get(key, {}).get("enabled", False) if isinstance(ds.get(key), dict) else False
+        enabled[key] = wanted[key] if value == AUTO else bool(value)
+        if value not in (AUTO, True, False):
+            problems.append(Problem(f"deepspeed.{key}.enabled", value, "must be true, false or 'auto'", "use 'auto'"))
+    if enabled["bf16"] and enabled["fp16"]:
+        problems.append(
+            Problem("deepspeed.bf16.enabled", True, "bf16 and fp16 are both enabled", "enable one: set the other to false, or both to 'auto' and choose train.precision")
+        )
+    for key in ("bf16", "fp16"):
+        if enabled[key] and not wanted[key] and not (enabled["bf16"] and enabled["fp16"]):
+            problems.append(
+                Problem(f"deepspeed.{key}.enabled", True, f"contradicts train.precision={cfg.train.precision}", f"set train.precision={key} or deepspeed.{key}.enabled='auto'")
+            )
+    problems += _check_batch(cfg)
+    return problems
+
+
+def _check_batch(cfg: TrainingConfig) -> list[Problem]:
+    ds, t, world = cfg.deepspeed, cfg.train, cfg.scaling.num_workers
+    problems = []
+    for key, ours, field in (
+        ("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
+        ("gradient_accumulation_steps", t.gradient_accumulation_steps, "train.gradient_accumulation_steps"),
+    ):
+        value = ds.get(key, AUTO)
+        if value != AUTO and value != ours:
+            problems.append(Problem(f"deepspeed.{key}", value, f"differs from {field}={ours}", f"set it to 'auto' (or to {ours})"))
+    total = ds.get("train_batch_size", AUTO)
+    expected = t.micro_batch_size * t.gradient_accumulation_steps * world
+    if total != AUTO and total != expected:
+        problems.append(
+            Problem(
+                "deepspeed.train_batch_size",
+                total,
+                f"must equal micro-batch x accumulation x workers = {t.micro_batch_size} x "
+                f"{t.gradient_accumulation_steps} x {world} = {expected}",
+                "set it to 'auto', or change train.micro_batch_size / gradient_accumulation_steps / scaling.num_workers",
+            )
+        )
+    return problems
+
+
+def _offload_device(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("device", "none") not in ("none", None)
+
+
+def optimizer_offloaded(cfg: TrainingConfig) -> bool:
+    return _offload_device(cfg.deepspeed.get("zero_optimization", {}).get("offload_optimizer"))
+
+
+def build(cfg: TrainingConfig, hidden_size: int | None, world_size: int | None = None) -> dict[str, Any]:
+    """The final DeepSpeed config: the user's block with every "auto" filled."""
+    problems = check(cfg)
+    if problems:
+        raise ConfigError(problems)
+    t = cfg.train
+    world = world_size or cfg.scaling.num_workers
+    ds = copy.deepcopy(cfg.deepspeed)
+    fill = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world,
+        "gradient_clipping": t.max_grad_norm,
+    }
+    for key, value in fill.items():
+        if ds.get(key, AUTO) == AUTO:
+            ds[key] = value
+    for key in ("bf16", "fp16"):
+        if isinstance(ds.get(key), dict) and ds[key].get("enabled") == AUTO:
+            ds[key]["enabled"] = t.precision == key
+    if ds.get("grad_accum_dtype") == AUTO:
+        ds["grad_accum_dtype"] = {"bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")
+    if t.precision != "bf16" and ds.get("grad_accum_dtype") == "bf16":
+        # The tutorial's bf16 accumulation only makes sense when training in bf16.
+        ds["grad_accum_dtype"] = "fp32" if t.precision == "fp32" else "fp16"
+    zero = ds.setdefault("zero_optimization", {})
+    h = hidden_size or 0
+    derived = {
+        "reduce_bucket_size": h * h,
+        "stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_param_persistence_threshold": 10 * h,
+        "param_persistence_threshold": 10 * h,
+    }
+    for key, value in derived.items():
+        if zero.get(key) == AUTO and hidden_size:
+            zero[key] = value
+    if zero.get("stage", 0) < 3:
+        # Stage-3-only knobs make DeepSpeed warn on lower stages; they mean nothing there.
+        for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
+            zero.pop(key, None)
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        for key, value in {
+            "lr": t.learning_rate,
+            "betas": list(t.adam_betas),
+            "eps": t.adam_eps,
+            "weight_decay": t.weight_decay,
+        }.items():
+            if params.get(key) == AUTO:
+                params[key] = value
+    # Without the model (validate before it is downloaded) the hidden-size values stay "auto" until run start.
+    leftover = [p for p in _find_auto(ds) if hidden_size or p.removeprefix("zero_optimization.") not in derived]
+    if leftover:
+        raise ConfigError(
+            [Problem(f"deepspeed.{path}", AUTO, "no rule fills this 'auto' value", "set a concrete value") for path in leftover]
+        )
+    return ds
+
+
+def _find_auto(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _find_auto(v, f"{prefix}{k}.")]
+    return [prefix.rstrip(".")] if node == AUTO else []

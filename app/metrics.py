@@ -1,0 +1,85 @@
+"""Metrics: progress lines with ETA, throughput and MFU, TensorBoard events and a metrics.jsonl file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("finetune")
+
+# Dense bf16 peak FLOP/s per GPU used as the MFU denominator (H100/H200 SXM: 989 TFLOP/s).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq: int) -> float:
+    """Training FLOPs per token: 6N for the dense part plus 12*L*H*S for attention (PaLM appendix B)."""
+    return 6 * n_params + 12 * n_layers * hidden * seq
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """Lives on rank 0 only; other ranks never construct one."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, flops_per_tok: float | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.total, self.start_step = total_steps, start_step
+        self.flops_per_tok, self.peak = flops_per_tok, peak_flops()
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+        self.jsonl = (run_dir / "metrics.jsonl").open("a")
+        self.t0 = time.perf_counter()
+
+    def step(self, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
+             tokens_per_s_per_gpu: float, step_time: float) -> dict[str, Any]:
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(done, 1) * (self.total - step)
+        record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "step_time_s": step_time, "eta_s": eta}
+        if self.flops_per_tok and self.peak:
+            record["mfu"] = tokens_per_s_per_gpu * self.flops_per_tok / self.peak
+        if torch.cuda.is_available():
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self._write(step, record, "train")
+        mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+        gn = f" gnorm {grad_norm:.3f}" if grad_norm is not None else ""
+        log.info(
+            f"step {step}/{self.total} epoch {epoch} loss {loss:.4f} lr {lr:.3g}{gn} "
+            f"tok/s/gpu {tokens_per_s_per_gpu:,.0f}{mfu} step {step_time * 1000:.0f}ms eta {_duration(eta)}"
+        )
+        return record
+
+    def eval(self, step: int, loss: float) -> dict[str, Any]:
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": float(torch.exp(torch.tensor(min(loss, 50.0))))}
+        self._write(step, record, "eval")
+        log.info(f"eval at step {step}: loss {loss:.4f} perplexity {record['eval_perplexity']:.2f}")
+        return record
+
+    def _write(self, step: int, record: dict[str, Any], prefix: str) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        self.jsonl.write(json.dumps({"kind": prefix, "time": time.time(), **record}) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()

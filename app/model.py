@@ -1,0 +1,99 @@
+"""Model, tokenizer, optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from app.config import ModelConfig, Problem, TrainConfig
+
+
+def load_model_config(cfg: ModelConfig):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+
+
+def hidden_size(model_config) -> int | None:
+    return getattr(model_config, "hidden_size", None) or getattr(model_config, "n_embd", None)
+
+
+def context_length(model_config) -> int | None:
+    for attr in ("max_position_embeddings", "n_positions", "seq_length"):
+        value = getattr(model_config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def check_seq_length(seq_length: int, model_config) -> list[Problem]:
+    limit = context_length(model_config)
+    if limit is not None and seq_length > limit:
+        return [Problem("data.seq_length", seq_length, f"above the model's context of {limit} tokens", f"set data.seq_length <= {limit}")]
+    return []
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token  # the tutorial's choice; padding never reaches the loss (labels -100)
+    return tok
+
+
+def load_model(cfg: ModelConfig, ds_config: dict[str, Any]):
+    """The model, built partitioned under ZeRO-3 (HfDeepSpeedConfig makes from_pretrained use zero.Init)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    # Must stay alive while the model is built: transformers holds it through a weak reference.
+    keep_alive = HfDeepSpeedConfig(ds_config) if ds_config.get("zero_optimization", {}).get("stage") == 3 else None
+    overrides = {}
+    if cfg.dropout is not None:
+        base = load_model_config(cfg)
+        overrides = {k: cfg.dropout for k in base.to_dict() if "dropout" in k or k.endswith("pdrop")}
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.name_or_path, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+        **overrides,
+    )
+    del keep_alive
+    if cfg.liger_kernels:
+        _apply_liger(model)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def _apply_liger(model) -> None:
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as exc:
+        raise Problem("model.liger_kernels", True, f"liger-kernel is not importable ({exc})", "pip install liger-kernel, or set it false") from None
+    _apply_liger_kernel_to_instance(model=model)
+
+
+def build_optimizer(model, cfg: TrainConfig, offloaded: bool):
+    """AdamW; DeepSpeed's CPU Adam when the optimizer lives on the CPU (a torch AdamW crashes there)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = dict(lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps)
+    if offloaded:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if torch.cuda.is_available():
+        kwargs["fused"] = True  # torch's own fused kernel: no DeepSpeed op build at start
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler, cfg.lr_scheduler)
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)

@@ -1,0 +1,82 @@
+"""A tiny GPT-2-style model and a small text corpus, built offline, for `make run`, tests and drills.
+
+No model or dataset hub is needed: the corpus is generated from templates (ag_news-like headlines in the
+tutorial's four classes), the tokenizer is a byte-level BPE trained on it with `tokenizers`, and the model
+is a 2-layer GPT-2 from a config with random weights. Both are deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+SUBJECTS = {
+    "World": ["The prime minister", "United Nations envoys", "Rebel leaders", "The foreign ministry", "Peace talks"],
+    "Sports": ["The home team", "The star striker", "Olympic sprinters", "The head coach", "Tennis champions"],
+    "Business": ["Oil prices", "The central bank", "Tech shares", "Quarterly profits", "The retail giant"],
+    "Sci/Tech": ["Researchers", "The space agency", "A new chip", "Software makers", "Climate scientists"],
+}
+VERBS = ["announce", "report", "expect", "reject", "welcome", "unveil", "question", "delay"]
+OBJECTS = {
+    "World": ["a ceasefire plan", "new sanctions", "an election date", "a trade accord"],
+    "Sports": ["a late comeback", "a record season", "a title defence", "a new contract"],
+    "Business": ["higher earnings", "a merger offer", "rate cuts", "weaker demand"],
+    "Sci/Tech": ["a faster processor", "a lunar mission", "an open standard", "a security patch"],
+}
+TAILS = ["on Monday.", "after long talks.", "despite doubts.", "as markets watch.", "ahead of the weekend."]
+
+
+def corpus_lines(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.choice(list(SUBJECTS))
+        text = f"{rng.choice(SUBJECTS[label])} {rng.choice(VERBS)} {rng.choice(OBJECTS[label])} {rng.choice(TAILS)}"
+        rows.append({"text": text, "label": label})
+    return rows
+
+
+def write_corpus(path: Path, n: int = 2000, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in corpus_lines(n, seed)))
+    return path
+
+
+def build_tiny_model(out: Path, corpus: Path | None = None, vocab_size: int = 512, n_positions: int = 256,
+                     n_embd: int = 64, n_layer: int = 2, n_head: int = 2, seed: int = 0) -> Path:
+    """Write a from_pretrained folder (config, random weights, tokenizer); idempotent."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    import torch
+
+    out = Path(out)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    texts = (
+        [json.loads(line)["text"] for line in Path(corpus).read_text().splitlines()]
+        if corpus
+        else [r["text"] for r in corpus_lines(2000, seed)]
+    )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    config = GPT2Config(
+        vocab_size=len(hf_tok), n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+        bos_token_id=hf_tok.eos_token_id, eos_token_id=hf_tok.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    GPT2LMHeadModel(config).save_pretrained(tmp)
+    hf_tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
