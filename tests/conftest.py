@@ -1,0 +1,60 @@
+"""Shared test fixtures: the offline tiny model and corpus, and a way to run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "examples" / "data" / "tiny-news.jsonl"
+# Environment for CLI subprocesses: quiet, offline, CPU DeepSpeed.
+CLI_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DS_ACCELERATOR": "cpu",
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from app.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gpt2", CORPUS)
+
+
+def tiny_overrides(storage: Path, name: str, model: Path, **extra) -> list[str]:
+    """--set arguments for a short CPU run of the tiny model on the bundled corpus."""
+    values = {
+        "experiment.name": name,
+        "experiment.storage_path": str(storage),
+        "model.name_or_path": str(model),
+        "data.dataset": str(CORPUS),
+        "data.split": "train",
+        "data.seq_length": 32,
+        "train.micro_batch_size": 4,
+        "train.learning_rate": 3e-3,
+        "train.max_steps_per_epoch": 8,
+        "scaling.num_workers": 2,
+        "scaling.use_gpu": False,
+        "checkpoint.export_final": False,
+    }
+    values.update(extra)
+    args = []
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **CLI_ENV, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
