@@ -61,6 +61,12 @@ def is_complete(path: Path) -> bool:
     return (path / STATE_FILE).exists() and (path / TAG).is_dir()
 
 
+def latest_complete(run_dir: Path) -> Path | None:
+    """The newest checkpoint folder whose state file was written (the last step of a save)."""
+    folders = sorted((Path(run_dir) / "checkpoints").glob("step-*"), reverse=True)
+    return next((f for f in folders if is_complete(f)), None)
+
+
 def read_state(path: Path) -> dict[str, Any]:
     return json.loads((path / STATE_FILE).read_text())
 

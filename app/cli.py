@@ -9,10 +9,12 @@ import os
 import sys
 from pathlib import Path
 
-from app import config as config_mod
+from app import config as config_mod, ops
 from app.config import ConfigError, Problem
+from app.lease import LeaseHeld
 
 EXIT_INVALID = 2
+EXIT_LEASE_HELD = 3
 log = logging.getLogger("finetune")
 
 
@@ -53,12 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "offline) and a generated ag_news-like corpus, for runs without a hub.")
     p.add_argument("--model-dir", default=".local/tiny-gpt2", help="model folder to create")
     p.add_argument("--corpus", default="examples/data/tiny-news.jsonl", help="corpus file (created if missing)")
+    ops.register(sub)  # status, logs, resume: operate a RayJob through the Kubernetes API
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.command in ops.COMMANDS:
+        return ops.main(args)
     try:
         return {"validate": cmd_validate, "train": cmd_train, "export": cmd_export, "tiny": cmd_tiny}[args.command](args)
     except ConfigError as exc:
@@ -108,6 +113,9 @@ def cmd_train(args) -> int:
     print("=" * len(banner), banner, f"storage:    {cfg.experiment_dir}", "=" * len(banner), sep="\n", flush=True)
     try:
         result = driver.run(cfg, ds)
+    except LeaseHeld as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_LEASE_HELD
     except Exception as exc:  # noqa: BLE001 - Ray already logged the workers' tracebacks
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: training of {cfg.experiment.name} failed: {first}", file=sys.stderr)

@@ -62,6 +62,13 @@ class ExperimentConfig(Section):
         description="Shared folder (a ReadWriteMany volume on Kubernetes) for checkpoints, logs and the final model.",
     )
 
+    on_conflict: Literal["fail", "wait"] = Field(
+        "fail", description="When another live run holds this experiment: fail at once, or wait for it to end."
+    )
+    lease_timeout_s: float = Field(
+        120, gt=0, description="A run whose lease heartbeat is older than this is dead; the next deploy takes over."
+    )
+
     @field_validator("name")
     @classmethod
     def _dns_label(cls, v: str | None) -> str | None:

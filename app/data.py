@@ -186,6 +186,9 @@ def make_loader(dataset, micro_batch: int, world: int, rank: int, shuffle: bool,
     return DataLoader(
         dataset, batch_size=micro_batch, sampler=sampler, drop_last=True, num_workers=workers,
         pin_memory=torch.cuda.is_available(), persistent_workers=False,
+        # Its own generator: otherwise each new iterator draws from the global RNG and a resumed run's
+        # dropout masks would differ from an uninterrupted run's.
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

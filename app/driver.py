@@ -15,6 +15,7 @@ from typing import Any
 
 from app import data, ds_config
 from app.config import ConfigError, Problem, TrainingConfig
+from app.lease import Lease
 from app.model import check_seq_length, hidden_size, load_model_config
 
 log = logging.getLogger("finetune")
@@ -62,9 +63,26 @@ def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[int | None, list[Pr
     return hidden_size(mc), check_seq_length(cfg.data.seq_length, mc), None
 
 
+def resume_problems(cfg: TrainingConfig) -> list[Problem]:
+    """A resume must run with the world size its checkpoints were written with (DeepSpeed shards per rank)."""
+    from app import checkpoint
+
+    latest = checkpoint.latest_complete(cfg.experiment_dir)
+    if latest is None:
+        return []
+    saved = checkpoint.read_state(latest).get("world_size")
+    if saved and saved != cfg.scaling.num_workers:
+        return [Problem("scaling.num_workers", cfg.scaling.num_workers,
+                        f"the experiment's last checkpoint ({latest.name}) was written by {saved} workers, and "
+                        "resuming on another number of workers is not supported yet",
+                        f"set scaling.num_workers={saved} (and GPUs to match), or start a new experiment name")]
+    return []
+
+
 def check(cfg: TrainingConfig, offline: bool = True) -> tuple[dict[str, Any], str | None]:
     """Every check that can run before the workers start; raises ConfigError with all problems found."""
     problems = ds_config.check(cfg) + data.check_source(cfg.data) + storage_problems(cfg.experiment.storage_path)
+    problems += resume_problems(cfg)
     hidden, model_problems, note = model_facts(cfg, offline)
     problems += model_problems
     if problems:
@@ -80,7 +98,13 @@ def worker_env(cfg: TrainingConfig) -> dict[str, str]:
 
 
 def run(cfg: TrainingConfig, ds: dict[str, Any]):
-    """Run (or resume) the experiment; returns Ray's Result."""
+    """Run (or resume) the experiment under its lease; returns Ray's Result."""
+    # Nothing is written to the experiment folder before this run holds its lease.
+    with Lease(cfg.experiment_dir, cfg.experiment.lease_timeout_s).acquire(wait=cfg.experiment.on_conflict == "wait"):
+        return _fit(cfg, ds)
+
+
+def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer

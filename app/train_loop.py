@@ -139,7 +139,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 break
 
     finished = step >= total_steps
-    if finished and eval_set is not None:
+    evaluated_last = t.eval_every_steps and step % t.eval_every_steps == 0
+    if finished and eval_set is not None and not evaluated_last:
         evaluate(engine, eval_set, cfg, world, rank, metrics, step)
     if metrics:
         metrics.close()

@@ -1,0 +1,160 @@
+"""Invalid training configs: exit 2, one line per problem naming field, value and fix, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from app.config import load, parse, tutorial_ds_config
+from app import ds_config
+from conftest import run_cli
+
+
+def snapshot(folder: Path) -> list[tuple[str, float]]:
+    return sorted((str(p.relative_to(folder)), p.stat().st_mtime) for p in folder.rglob("*"))
+
+
+@pytest.fixture
+def storage(tmp_path) -> Path:
+    root = tmp_path / "storage"
+    root.mkdir()
+    (root / "someone-elses-file").write_text("keep me")
+    return root
+
+
+def base_args(storage: Path, model: Path) -> list[str]:
+    return ["--set", f"experiment.storage_path={storage}", "--set", "experiment.name=exp1",
+            "--set", f"model.name_or_path={model}", "--set", "scaling.use_gpu=false", "--set", "data.seq_length=64"]
+
+
+BAD = {
+    "unknown key": (["train.learning_rat=1e-4"], "train.learning_rat: unknown key", "did you mean 'learning_rate'"),
+    "unknown section": (["trian.epochs=2"], "trian: unknown key", "did you mean 'train'"),
+    "bf16 and fp16": (["deepspeed.bf16.enabled=true", "deepspeed.fp16.enabled=true"], "deepspeed.bf16.enabled", "both enabled"),
+    "zero stage": (["deepspeed.zero_optimization.stage=5"], "deepspeed.zero_optimization.stage", "0, 1, 2 or 3"),
+    "offload_param below stage 3": (
+        ["deepspeed.zero_optimization.stage=2", "deepspeed.zero_optimization.offload_param={device: cpu}"],
+        "deepspeed.zero_optimization.offload_param", "needs ZeRO stage 3"),
+    "top-level offload": (["deepspeed.offload_optimizer={device: cpu}"], "deepspeed.offload_optimizer",
+                          "move it to deepspeed.zero_optimization.offload_optimizer"),
+    "train_batch_size": (["deepspeed.train_batch_size=7"], "deepspeed.train_batch_size", "= 2"),
+    "seq_length above context": (["data.seq_length=1024"], "data.seq_length", "context of 256"),
+    "name not DNS-1035": (["experiment.name=My_Exp"], "experiment.name", "DNS-1035"),
+    "name too long": (["experiment.name=" + "a" * 41], "experiment.name", "at most 40"),
+    "name traversal": (["experiment.name=../../etc"], "experiment.name", "DNS-1035"),
+    "wrong type": (["train.epochs=many"], "train.epochs", "whole number"),
+    "literal": (["train.precision=fp8"], "train.precision", "one of the listed values"),
+    "storage under a file": (["experiment.storage_path={storage}/someone-elses-file/sub"], "experiment.storage_path", "not a folder"),
+    "storage not writable": (["experiment.storage_path=/sys/finetune-storage"], "experiment.storage_path", "not writable"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_invalid_config_exits_2_and_writes_nothing(case, storage, tiny_model, capsys):
+    sets, field, fix = BAD[case]
+    args = base_args(storage, tiny_model)
+    for s in sets:
+        args += ["--set", s.replace("{storage}", str(storage))]
+    before = snapshot(storage)
+    for command in ("validate", "train"):
+        assert main([command, *args]) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert lines, err
+        assert any(field in line and fix in line for line in lines), err
+        assert "Traceback" not in err
+    assert snapshot(storage) == before
+
+
+def test_console_script_exit_code_and_single_line(storage, tiny_model):
+    result = run_cli("train", *base_args(storage, tiny_model), "--set", "deepspeed.zero_optimization.stage=7")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2 or 3 (got 7)")
+    assert "Traceback" not in result.stderr
+    assert snapshot(storage) == [("someone-elses-file", (storage / "someone-elses-file").stat().st_mtime)]
+
+
+def test_several_problems_reported_together(storage, tiny_model, capsys):
+    args = base_args(storage, tiny_model) + ["--set", "deepspeed.zero_optimization.stage=9", "--set", "deepspeed.offload_param={}",
+                                             "--set", "data.seq_length=4096"]
+    assert main(["validate", *args]) == 2
+    err = capsys.readouterr().err
+    assert "deepspeed.offload_param" in err and "zero_optimization.stage" in err and "data.seq_length" in err
+
+
+def test_bad_yaml_and_missing_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    assert main(["validate", str(bad)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    assert main(["validate", str(listy)]) == 2
+    assert "mapping" in capsys.readouterr().err
+
+
+def test_defaults_reproduce_the_tutorial():
+    cfg = parse({})
+    assert cfg.model.name_or_path == "gpt2"
+    assert (cfg.data.dataset, cfg.data.split, cfg.data.seq_length) == ("ag_news", "train[:1%]", 512)
+    assert (cfg.train.micro_batch_size, cfg.train.epochs, cfg.train.learning_rate) == (1, 1, 1e-6)
+    assert cfg.train.max_steps_per_epoch == 30 and cfg.train.max_steps is None
+    assert (cfg.scaling.num_workers, cfg.scaling.use_gpu) == (2, True)
+    assert cfg.experiment.storage_path == "/mnt/cluster_storage/"
+    ds = ds_config.build(cfg, hidden_size=768)
+    # The tutorial's DeepSpeed config, with its constants in place.
+    assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["train_batch_size"] == 2
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
+    assert ds["grad_accum_dtype"] == "bf16" and ds["gradient_clipping"] == 1.0
+    z = ds["zero_optimization"]
+    assert z["stage"] == 3 and z["overlap_comm"] and z["contiguous_gradients"]
+    # Hidden-size-derived values, as the Hugging Face integration fills them.
+    assert z["reduce_bucket_size"] == 768 * 768
+    assert z["stage3_prefetch_bucket_size"] == int(0.9 * 768 * 768)
+    assert z["stage3_param_persistence_threshold"] == 7680
+
+
+def test_generated_name_is_a_valid_kubernetes_name_and_printed(storage, tiny_model, capsys):
+    args = ["--set", f"experiment.storage_path={storage}", "--set", f"model.name_or_path={tiny_model}",
+            "--set", "data.seq_length=128"]
+    assert main(["validate", *args]) == 0
+    out = capsys.readouterr().out
+    name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("name:"))
+    assert name.startswith("deepspeed-sample-") and len(name) == len("deepspeed-sample-") + 8
+
+
+def test_auto_values_follow_the_other_sections():
+    cfg = parse({"train": {"micro_batch_size": 4, "gradient_accumulation_steps": 3, "max_grad_norm": 0.5, "precision": "fp16"},
+                 "scaling": {"num_workers": 8},
+                 "deepspeed": {"zero_optimization": {"stage": 2}}})
+    ds = ds_config.build(cfg, hidden_size=2048)
+    assert ds["train_batch_size"] == 96 and ds["gradient_clipping"] == 0.5
+    assert ds["fp16"]["enabled"] is True and ds["bf16"]["enabled"] is False and ds["grad_accum_dtype"] == "fp16"
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 2048 * 2048
+    assert "stage3_prefetch_bucket_size" not in ds["zero_optimization"]
+    # Without the model, hidden-size values stay "auto" (filled at run start); everything else is filled.
+    offline = ds_config.build(cfg, hidden_size=None)
+    assert offline["zero_optimization"]["reduce_bucket_size"] == "auto"
+    assert offline["train_batch_size"] == 96
+
+
+def test_set_override_parses_yaml_values(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  epochs: 1\n")
+    cfg = load(path, ["train.epochs=3", "deepspeed.zero_optimization.offload_optimizer={device: cpu, pin_memory: true}",
+                      "data.packing=false"])
+    assert cfg.train.epochs == 3 and cfg.data.packing is False
+    assert cfg.deepspeed["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert cfg.deepspeed["zero_optimization"]["overlap_comm"] is True  # merged over the tutorial's block
+
+
+def test_validate_prints_resolved_config_and_ds_json(tiny_model, storage, capsys):
+    assert main(["validate", *base_args(storage, tiny_model), "--ds-config-only"]) == 0
+    ds = json.loads(capsys.readouterr().out)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64  # the tiny model's hidden size

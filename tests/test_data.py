@@ -1,0 +1,92 @@
+"""Tokenization, masking, packing and the resumable sampler, on the bundled corpus."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoTokenizer
+
+from app import data
+from app.config import DataConfig
+from conftest import CORPUS
+
+
+def tokenized(tiny_model, **kw):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.pad_token = tok.eos_token
+    cfg = DataConfig(dataset=str(CORPUS), split="train[:200]", seq_length=48, **kw)
+    return tok, cfg, data.tokenize(data.load_split(cfg, cfg.split), tok, cfg)
+
+
+def test_packing_fills_every_sequence(tiny_model):
+    tok, cfg, ds = tokenized(tiny_model, packing=True)
+    loader = data.make_loader(ds, 8, 1, 0, True, 0, 0)
+    for batch in loader:
+        assert batch["input_ids"].shape == (8, cfg.seq_length)
+        assert "attention_mask" not in batch  # no padding anywhere, so no mask to compute
+        assert (batch["labels"] != -100).all()
+        assert torch.equal(batch["labels"], batch["input_ids"])
+    # Documents are joined with EOS between them, and nothing else is inserted.
+    ids = ds[0]["input_ids"].tolist()
+    first_doc = tok(data.load_split(cfg, cfg.split)[0]["text"], add_special_tokens=False)["input_ids"]
+    assert ids[: len(first_doc) + 1] == first_doc + [tok.eos_token_id]
+
+
+def test_padding_never_reaches_the_loss(tiny_model):
+    tok, cfg, ds = tokenized(tiny_model, packing=False)
+    padded = 0
+    for row in ds:
+        mask, labels, ids = row["attention_mask"], row["labels"], row["input_ids"]
+        assert len(ids) == cfg.seq_length
+        assert (labels[mask == 0] == -100).all()  # every padding position is ignored by the loss
+        assert torch.equal(labels[mask == 1], ids[mask == 1])  # every real token is trained on
+        padded += int((mask == 0).sum())
+    assert padded > 0  # the corpus' short headlines really are padded
+
+
+def test_padded_loss_equals_loss_over_real_tokens_only(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    tok, cfg, ds = tokenized(tiny_model, packing=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    row = ds[0]
+    n = int(row["attention_mask"].sum())
+    with torch.no_grad():
+        padded = model(input_ids=row["input_ids"][None], attention_mask=row["attention_mask"][None], labels=row["labels"][None]).loss
+        alone = model(input_ids=row["input_ids"][None, :n], labels=row["input_ids"][None, :n]).loss
+    assert torch.allclose(padded, alone, atol=1e-5)
+
+
+def test_sampler_resumes_at_the_exact_sample(tiny_model):
+    _, _, ds = tokenized(tiny_model, packing=True)
+    for rank in (0, 1):
+        full = data.ResumableSampler(ds, 2, rank, True, seed=7)
+        full.set_position(epoch=3, samples_done=0)
+        order = list(full)
+        resumed = data.ResumableSampler(ds, 2, rank, True, seed=7)
+        resumed.set_position(epoch=3, samples_done=5)
+        assert list(resumed) == order[5:] and len(resumed) == len(order) - 5
+    other_epoch = data.ResumableSampler(ds, 2, 0, True, seed=7)
+    other_epoch.set_position(epoch=4, samples_done=0)
+    assert list(other_epoch) != order
+
+
+def test_cache_key_changes_with_what_shapes_the_data():
+    a = DataConfig(dataset="x", seq_length=64)
+    assert data.cache_key(a, "tok", "train", 1) == data.cache_key(DataConfig(dataset="x", seq_length=64), "tok", "train", 1)
+    assert data.cache_key(a, "tok", "train", 1) != data.cache_key(DataConfig(dataset="x", seq_length=65), "tok", "train", 1)
+    assert data.cache_key(a, "tok", "train", 1) != data.cache_key(DataConfig(dataset="x", seq_length=64, packing=False), "tok", "train", 1)
+
+
+def test_local_sources(tmp_path):
+    import datasets
+
+    (tmp_path / "a.csv").write_text("text\nhello world\nsecond line\n")
+    cfg = DataConfig(dataset=str(tmp_path / "*.csv"), split="train")
+    assert data.check_source(cfg) == []
+    assert len(data.load_split(cfg, "train")) == 2
+    (tmp_path / "t.txt").write_text("one\ntwo\nthree\n")
+    assert "mixed" in str(data.check_source(DataConfig(dataset=str(tmp_path), split="train"))[0])
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(10)]})}).save_to_disk(str(saved))
+    assert len(data.load_split(DataConfig(dataset=str(saved)), "train[:30%]")) == 3
+    assert "no json" in str(data.check_source(DataConfig(dataset=str(tmp_path / "nothing-*.json")))[0])

@@ -1,0 +1,150 @@
+"""End-to-end CPU training with real Ray Train and real DeepSpeed: stages, exact resume, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_cli, tiny_overrides
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "train":
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def train(storage: Path, name: str, model: Path, **extra) -> str:
+    result = run_cli("train", *tiny_overrides(storage, name, model, **extra))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout + result.stderr
+
+
+def assert_learns(run_dir: Path) -> None:
+    seen = losses(run_dir)
+    first, last = seen[min(seen)], seen[max(seen)]
+    assert last < 0.8 * first, seen
+
+
+RESUME = {"train.epochs": 2, "train.max_steps_per_epoch": 8, "train.log_every_steps": 1, "model.dropout": 0.1,
+          "data.eval_fraction": 0.05}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model):
+    """An uninterrupted ZeRO-3 run of 16 steps, and the same run stopped at step 5 and resumed by a new driver."""
+    storage = tmp_path_factory.mktemp("storage")
+    train(storage, "full", tiny_model, **RESUME)
+    stopped = train(storage, "resumed", tiny_model, **RESUME, **{"train.stop_after_steps": 5})
+    resumed = train(storage, "resumed", tiny_model, **RESUME, **{"checkpoint.export_final": True})
+    return storage, stopped, resumed
+
+
+def test_zero3_learns(runs):
+    storage, _, _ = runs
+    assert_learns(storage / "full")
+
+
+def test_exact_mid_epoch_resume(runs):
+    storage, stopped, resumed = runs
+    assert "stopped at step 5 of 16" in stopped
+    assert "resumed from" in resumed and "at global step 5 (epoch 0, step 5 of the epoch)" in resumed
+    full, part = losses(storage / "full"), losses(storage / "resumed")
+    assert sorted(part) == list(range(1, 17))  # the global step continued from 5, it did not restart
+    worst = max(abs(full[s] - part[s]) for s in range(6, 17))
+    assert worst <= 1e-5, {s: (full[s], part[s]) for s in range(6, 17)}
+
+
+def test_final_and_export_match_the_trained_engine(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    storage, _, _ = runs
+    run_dir = storage / "resumed"
+    final = run_dir / "final"
+    assert (final / "model.safetensors").exists() and (final / "tokenizer.json").exists()
+    last = sorted((run_dir / "checkpoints").iterdir())[-1]
+    out = tmp_path / "exported"
+    result = run_cli("export", str(last), str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    a = AutoModelForCausalLM.from_pretrained(final)
+    b = AutoModelForCausalLM.from_pretrained(out)
+    assert a.dtype == torch.bfloat16  # the training precision
+    ids = torch.arange(1, 33)[None]
+    assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+ENGINE_VS_EXPORT = r"""
+import os, sys, json, torch, torch.distributed as dist
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed
+from pathlib import Path
+from app import checkpoint
+from app.config import parse
+from app.ds_config import build
+from app.model import build_optimizer, build_scheduler, load_model, load_tokenizer
+dist.init_process_group("gloo")
+deepspeed.init_distributed(dist_backend="gloo")
+cfg = parse({"model": {"name_or_path": sys.argv[1]}, "train": {"learning_rate": 1e-2}, "scaling": {"num_workers": 1}})
+ds = build(cfg, hidden_size=64, world_size=1)
+model = load_model(cfg.model, ds)
+engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, cfg.train, False), config=ds,
+                                  lr_scheduler=lambda o: build_scheduler(o, cfg.train, 10))
+ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+for _ in range(3):
+    engine.backward(engine(input_ids=ids, labels=ids).loss); engine.step()
+engine.eval()
+with torch.no_grad():
+    logits = engine(input_ids=ids).logits.float()
+out = Path(sys.argv[2])
+tok = load_tokenizer(cfg.model)
+checkpoint.save(engine, out / "ckpt", {"global_step": 3, "world_size": 1, "precision": "bf16"}, 0, dist.barrier,
+                lambda p: (model.config.save_pretrained(p), tok.save_pretrained(p)))
+checkpoint.export(out / "ckpt", out / "hf")
+torch.save(logits, out / "engine_logits.pt"); torch.save(ids, out / "ids.pt")
+"""
+
+
+def test_export_gives_the_engines_logits(tiny_model, tmp_path):
+    """A ZeRO-3 bf16 engine trained a few steps, saved and exported: the export's logits equal the engine's."""
+    import socket
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    done = subprocess.run([sys.executable, "-c", ENGINE_VS_EXPORT, str(tiny_model), str(tmp_path), port],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-4000:]
+    engine_logits = torch.load(tmp_path / "engine_logits.pt")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert exported.dtype == torch.bfloat16
+    with torch.no_grad():
+        logits = exported(torch.load(tmp_path / "ids.pt")).logits.float()
+    original = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        untrained = original.to(torch.bfloat16)(torch.load(tmp_path / "ids.pt")).logits.float()
+    assert not torch.allclose(untrained, engine_logits, atol=1e-2)  # training really changed the weights
+    assert torch.allclose(logits, engine_logits, atol=2e-2, rtol=1e-2), (logits - engine_logits).abs().max()
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        pytest.param({"deepspeed.zero_optimization.stage": 1}, id="zero1"),
+        pytest.param({"deepspeed.zero_optimization.stage": 2}, id="zero2"),
+        pytest.param({"deepspeed.zero_optimization.offload_optimizer": "{device: cpu}",
+                      "deepspeed.zero_optimization.offload_param": "{device: cpu}"}, id="zero3-offload"),
+    ],
+)
+def test_stages_learn(stage, tmp_path, tiny_model):
+    train(tmp_path, "stage", tiny_model, **{"train.max_steps_per_epoch": 10, "train.log_every_steps": 1}, **stage)
+    assert_learns(tmp_path / "stage")
