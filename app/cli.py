@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint folder, e.g. <storage>/<experiment>/checkpoints/step-00000030")
     p.add_argument("out", help="output folder")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights precision (default: training's)")
+    p.add_argument("--model", help="model folder or hub name giving config and tokenizer (for DeepSpeed "
+                                   "checkpoints not written by this app)")
 
     p = sub.add_parser("tiny", help="build the offline tiny GPT-2 model and text corpus",
                        description="Write a tiny GPT-2-style model folder (random weights, BPE tokenizer trained "
@@ -148,10 +150,16 @@ def cmd_export(args) -> int:
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     src = Path(args.checkpoint)
-    if not (src / "ds").is_dir():
-        raise Problem("CHECKPOINT", str(src), "not a checkpoint folder of this app (no ds/ inside)",
-                      "pass <storage>/<experiment>/checkpoints/step-NNNNNNNN")
-    out = export(src, Path(args.out), args.dtype)
+    if not src.is_dir():
+        raise Problem("CHECKPOINT", str(src), "no such folder", "pass <storage>/<experiment>/checkpoints/step-NNNNNNNN")
+    if not (src / "ds").is_dir() and not args.model:
+        raise Problem("--model", None, f"{src} is not a checkpoint of this app (no ds/ inside), so the model config "
+                      "and tokenizer are unknown", "pass --model with the model folder or hub name it was trained from")
+    try:
+        out = export(src, Path(args.out), args.dtype, args.model)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: cannot export {src}: {exc}", file=sys.stderr)
+        return 1
     print(f"exported: {out}")
     return 0
 

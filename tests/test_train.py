@@ -106,6 +106,7 @@ tok = load_tokenizer(cfg.model)
 checkpoint.save(engine, out / "ckpt", {"global_step": 3, "world_size": 1, "precision": "bf16"}, 0, dist.barrier,
                 lambda p: (model.config.save_pretrained(p), tok.save_pretrained(p)))
 checkpoint.export(out / "ckpt", out / "hf")
+engine.save_checkpoint(str(out / "raw"))  # a plain DeepSpeed save_dir, as other tools write them
 torch.save(logits, out / "engine_logits.pt"); torch.save(ids, out / "ids.pt")
 """
 
@@ -134,6 +135,13 @@ def test_export_gives_the_engines_logits(tiny_model, tmp_path):
         untrained = original.to(torch.bfloat16)(torch.load(tmp_path / "ids.pt")).logits.float()
     assert not torch.allclose(untrained, engine_logits, atol=1e-2)  # training really changed the weights
     assert torch.allclose(logits, engine_logits, atol=2e-2, rtol=1e-2), (logits - engine_logits).abs().max()
+    # `finetune export` of a DeepSpeed checkpoint this app did not write, with --model for config and tokenizer.
+    assert run_cli("export", str(tmp_path / "raw"), str(tmp_path / "raw-hf")).returncode == 2
+    done = run_cli("export", str(tmp_path / "raw"), str(tmp_path / "raw-hf"), "--model", str(tiny_model))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        raw = AutoModelForCausalLM.from_pretrained(tmp_path / "raw-hf")(torch.load(tmp_path / "ids.pt")).logits.float()
+    assert torch.equal(raw, logits)
 
 
 @pytest.mark.parametrize(
