@@ -21,7 +21,8 @@ from app.model import check_seq_length, hidden_size, load_model_config
 log = logging.getLogger("finetune")
 
 # Environment the workers need to see, whether Ray started here or runs on a cluster.
-PASSTHROUGH_PREFIXES = ("HF_", "HUGGING_FACE", "TRANSFORMERS_", "NCCL_", "TORCH_", "CUDA_", "DS_", "OMP_")
+PASSTHROUGH_PREFIXES = ("HF_", "HUGGING_FACE", "TRANSFORMERS_", "NCCL_", "TORCH_", "CUDA_", "DS_", "OMP_",
+                        "FINETUNE_")  # progress reporting (FINETUNE_RAYJOB_*) and test-only hooks
 
 
 def storage_problems(storage_path: str) -> list[Problem]:
@@ -114,7 +115,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
     env = worker_env(cfg)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
-            ray.init(runtime_env={"env_vars": env})
+            ray.init()  # a cluster (KubeRay's head, or `ray start`); workers get `env` through worker_runtime_env
         else:
             os.environ.update(env)  # the local cluster's workers inherit this process's environment
             needed = int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1

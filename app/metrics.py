@@ -38,14 +38,22 @@ def _duration(seconds: float) -> str:
 class MetricsLogger:
     """Lives on rank 0 only; other ranks never construct one."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, flops_per_tok: float | None):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, flops_per_tok: float | None,
+                 world_size: int = 1, resumed_from: str | None = None):
         from torch.utils.tensorboard import SummaryWriter
+
+        from app.progress import ProgressPublisher
 
         self.total, self.start_step = total_steps, start_step
         self.flops_per_tok, self.peak = flops_per_tok, peak_flops()
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.t0 = time.perf_counter()
+        # Live progress on the RayJob, when running under one (None elsewhere).
+        self.progress = ProgressPublisher.from_env(interval_s=30.0)
+        if self.progress:
+            self.progress.update({"step": start_step, "total_steps": total_steps, "world_size": world_size,
+                                  "resumed_from": resumed_from}, force=True)
 
     def step(self, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
              tokens_per_s_per_gpu: float, step_time: float) -> dict[str, Any]:
@@ -59,6 +67,8 @@ class MetricsLogger:
         if torch.cuda.is_available():
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self._write(step, record, "train")
+        if self.progress:
+            self.progress.update({k: record[k] for k in ("step", "epoch", "loss", "tokens_per_s_per_gpu", "eta_s")})
         mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
         gn = f" gnorm {grad_norm:.3f}" if grad_norm is not None else ""
         log.info(
@@ -70,6 +80,8 @@ class MetricsLogger:
     def eval(self, step: int, loss: float) -> dict[str, Any]:
         record = {"step": step, "eval_loss": loss, "eval_perplexity": float(torch.exp(torch.tensor(min(loss, 50.0))))}
         self._write(step, record, "eval")
+        if self.progress:
+            self.progress.update({"eval_loss": loss})
         log.info(f"eval at step {step}: loss {loss:.4f} perplexity {record['eval_perplexity']:.2f}")
         return record
 
@@ -80,6 +92,12 @@ class MetricsLogger:
         self.jsonl.write(json.dumps({"kind": prefix, "time": time.time(), **record}) + "\n")
         self.jsonl.flush()
 
+    def checkpoint(self, path: Path, step: int) -> None:
+        if self.progress:
+            self.progress.update({"last_checkpoint": str(path), "last_checkpoint_step": step}, force=True)
+
     def close(self) -> None:
         self.writer.close()
         self.jsonl.close()
+        if self.progress:
+            self.progress.close()  # one last flush, bounded

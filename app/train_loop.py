@@ -74,7 +74,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     mc = model.config
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
     hidden = getattr(mc, "hidden_size", None) or getattr(mc, "n_embd", 0)
-    metrics = MetricsLogger(run_dir, total_steps, step, flops_per_token(n_params, layers, hidden, cfg.data.seq_length)) if rank == 0 else None
+    metrics = MetricsLogger(run_dir, total_steps, step, flops_per_token(n_params, layers, hidden, cfg.data.seq_length),
+                            world, position.get("path")) if rank == 0 else None
 
     def save(epoch: int, step_in_epoch: int, extra: dict[str, Any]) -> None:
         state = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": step, "world_size": world,
@@ -84,6 +85,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         checkpoint.save(engine, path, state, rank, dist.barrier, lambda p: (mc.save_pretrained(p), tokenizer.save_pretrained(p)))
         ray.train.report({**extra, **state, "checkpoint": str(path)}, checkpoint=ray.train.Checkpoint.from_directory(str(path)),
                          checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        if metrics:
+            metrics.checkpoint(path, step)
 
     engine.train()
     window_loss = torch.zeros((), device=device)
