@@ -16,7 +16,7 @@ from typing import Any
 from app import data, ds_config
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
-from app.model import check_seq_length, hidden_size, load_model_config
+from app.model import check_seq_length, hidden_size, load_model_config, model_source
 
 log = logging.getLogger("finetune")
 
@@ -48,17 +48,19 @@ def storage_problems(storage_path: str) -> list[Problem]:
 
 def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[int | None, list[Problem], str | None]:
     """Hidden size and context checks from the model config; (hidden, problems, note when unreadable)."""
+    source, _ = model_source(cfg.model.name_or_path)
+    local = data.is_local(source)
     try:
-        if offline and not data.is_local(cfg.model.name_or_path):
+        if offline and not local:
             from transformers import AutoConfig
 
-            mc = AutoConfig.from_pretrained(cfg.model.name_or_path, local_files_only=True,
-                                            trust_remote_code=cfg.model.trust_remote_code)
+            mc = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=cfg.model.trust_remote_code)
         else:
             mc = load_model_config(cfg.model)
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot read it now"
-        if data.is_local(cfg.model.name_or_path):
-            return None, [Problem("model.name_or_path", cfg.model.name_or_path, f"not a model folder ({type(exc).__name__})", "point it at a from_pretrained folder")], None
+        if local:
+            return None, [Problem("model.name_or_path", cfg.model.name_or_path, f"not a model folder ({type(exc).__name__})",
+                                  "point it at a from_pretrained folder")], None
         return None, [], (f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
                           "hidden-size 'auto' values are checked at run start")
     return hidden_size(mc), check_seq_length(cfg.data.seq_length, mc), None

@@ -1,4 +1,9 @@
-"""Model, tokenizer, optimizer and learning-rate schedule."""
+"""Model, tokenizer, optimizer and learning-rate schedule.
+
+`model.name_or_path` may be `random-init:<folder>`: the model is then built from the folder's config.json with
+freshly initialised weights (no weight files needed), as for pre-training from scratch or for benchmarks of a
+model shape; the folder's tokenizer is used unless `model.tokenizer` names another.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,20 @@ import torch
 from app.config import ModelConfig, Problem, TrainConfig
 
 
+RANDOM_INIT = "random-init:"
+
+
+def model_source(name_or_path: str) -> tuple[str, bool]:
+    """(what from_pretrained reads, whether the weights are freshly initialised instead of loaded)."""
+    if name_or_path.startswith(RANDOM_INIT):
+        return name_or_path[len(RANDOM_INIT):], True
+    return name_or_path, False
+
+
 def load_model_config(cfg: ModelConfig):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    return AutoConfig.from_pretrained(model_source(cfg.name_or_path)[0], trust_remote_code=cfg.trust_remote_code)
 
 
 def hidden_size(model_config) -> int | None:
@@ -37,7 +52,8 @@ def check_seq_length(seq_length: int, model_config) -> list[Problem]:
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    name = cfg.tokenizer or model_source(cfg.name_or_path)[0]
+    tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token  # the tutorial's choice; padding never reaches the loss (labels -100)
     return tok
@@ -54,10 +70,20 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any]):
     if cfg.dropout is not None:
         base = load_model_config(cfg)
         overrides = {k: cfg.dropout for k in base.to_dict() if "dropout" in k or k.endswith("pdrop")}
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.name_or_path, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
-        **overrides,
-    )
+    path, random_init = model_source(cfg.name_or_path)
+    if random_init:
+        # Built under zero.Init too (transformers checks the live HfDeepSpeedConfig), so a ZeRO-3 model of
+        # any size is created already partitioned, on the GPUs.
+        mc = load_model_config(cfg)
+        for key, value in overrides.items():
+            setattr(mc, key, value)
+        model = AutoModelForCausalLM.from_config(mc, attn_implementation=cfg.attn_implementation,
+                                                 trust_remote_code=cfg.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+            **overrides,
+        )
     del keep_alive
     if cfg.liger_kernels:
         _apply_liger(model)

@@ -90,3 +90,20 @@ def test_local_sources(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(10)]})}).save_to_disk(str(saved))
     assert len(data.load_split(DataConfig(dataset=str(saved)), "train[:30%]")) == 3
     assert "no json" in str(data.check_source(DataConfig(dataset=str(tmp_path / "nothing-*.json")))[0])
+
+
+def test_random_init_builds_the_shape_without_its_weights(tiny_model, capsys, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from app.cli import main
+    from app.config import ModelConfig
+    from app.model import load_model
+
+    fresh = load_model(ModelConfig(name_or_path=f"random-init:{tiny_model}"), {})
+    saved = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert fresh.config.n_embd == saved.config.n_embd
+    assert not torch.equal(fresh.transformer.h[0].mlp.c_fc.weight, saved.transformer.h[0].mlp.c_fc.weight)
+    args = ["--set", f"model.name_or_path=random-init:{tiny_model}", "--set", f"experiment.storage_path={tmp_path}",
+            "--set", "data.seq_length=64", "--ds-config-only"]
+    assert main(["validate", *args]) == 0
+    assert '"reduce_bucket_size": 4096' in capsys.readouterr().out  # the shape's hidden size was read offline

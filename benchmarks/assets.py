@@ -1,0 +1,125 @@
+"""Benchmark assets made offline: model folders (config + tokenizer, no weights) and synthetic corpora.
+
+A model folder holds a Hugging Face config of a known shape and a word-level tokenizer whose vocabulary is
+the model's, so every whitespace-separated word of the corpus is exactly one token: the corpus's length
+distribution is the token-length distribution the training path sees. The app builds the model with
+random weights from such a folder when `model.name_or_path` is `random-init:<folder>`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    kind: str  # "gpt2" or "llama"
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int = 0
+    intermediate: int = 0
+    context: int = 2048
+    rope_theta: float = 10000.0
+
+    def hf_config(self):
+        if self.kind == "gpt2":
+            from transformers import GPT2Config
+
+            return GPT2Config(vocab_size=self.vocab, n_positions=self.context, n_embd=self.hidden,
+                              n_layer=self.layers, n_head=self.heads, bos_token_id=0, eos_token_id=0, dtype="bfloat16")
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                           num_key_value_heads=self.kv_heads or self.heads, max_position_embeddings=self.context,
+                           rms_norm_eps=1e-5, rope_theta=self.rope_theta, tie_word_embeddings=False,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="bfloat16")
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        # GPT-2 124M: the tutorial's model.
+        Shape("gpt2-124m", "gpt2", 50257, 768, 12, 12, context=1024),
+        # TinyLlama 1.1B dimensions.
+        Shape("llama-1.1b", "llama", 32000, 2048, 22, 32, kv_heads=4, intermediate=5632, context=2048),
+        # Llama-3-8B dimensions.
+        Shape("llama-8b", "llama", 128256, 4096, 32, 32, kv_heads=8, intermediate=14336, context=8192,
+              rope_theta=500000.0),
+        # Tiny shapes for the CPU smoke suite.
+        Shape("tiny-gpt2", "gpt2", 1000, 64, 2, 2, context=512),
+        Shape("tiny-llama", "llama", 1000, 64, 2, 4, kv_heads=2, intermediate=172, context=512),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Document lengths in tokens: a log-normal distribution clipped to [lo, hi]."""
+
+    name: str
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        raw = rng.lognormal(math.log(self.median), self.sigma, n)
+        return np.clip(np.rint(raw), self.lo, self.hi).astype(np.int64)
+
+
+LENGTHS = {
+    # ag_news-like: title + description, about 50 tokens on average (the tutorial's workload).
+    "news": Lengths("news", 45, 0.35, 8, 256),
+    # web-document-like: long-tailed, from a sentence to many pages.
+    "docs": Lengths("docs", 400, 1.0, 16, 16384),
+}
+
+
+def model_folder(root: Path, shape: Shape) -> Path:
+    """config.json + a word-level tokenizer of the model's vocabulary; idempotent."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = root / "models" / shape.name
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {EOS: 0, **{f"t{i}": i for i in range(1, shape.vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS,
+                            pad_token=EOS).save_pretrained(out)
+    shape.hf_config().save_pretrained(out)
+    return out
+
+
+def corpus(root: Path, lengths: Lengths, vocab: int, tokens: int, seed: int = 0) -> Path:
+    """A jsonl file of {"text": ...} documents drawn from `lengths`, about `tokens` tokens in all."""
+    out = root / "data" / f"{lengths.name}-v{vocab}-{tokens}.jsonl"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    n_docs = max(1, int(tokens / lengths.sample(rng, 10000).mean() * 1.02))
+    lens = lengths.sample(rng, n_docs)
+    ids = rng.integers(1, vocab, int(lens.sum()))
+    words = np.char.add("t", ids.astype(str))
+    tmp = out.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        pos = 0
+        for n in lens:
+            f.write(json.dumps({"text": " ".join(words[pos:pos + n])}) + "\n")
+            pos += n
+    tmp.rename(out)
+    return out

@@ -1,0 +1,337 @@
+"""GPU throughput harness: the product's own training path, case by case, one JSON line per case.
+
+    python -m benchmarks.bench --suite gpu --out OUT_DIR            # on a machine with 2 GPUs
+    python -m benchmarks.bench --suite smoke --out /tmp/bench-smoke # CPU plumbing check (2 CPU workers)
+
+Each case is a training config (generated for a model shape, or one of examples/*.yaml) run by
+`python -m app.cli train` with random weights built from the shape's config (`random-init:`), on a synthetic
+corpus with a chosen document-length distribution, then ended after its timed steps. Side by side in the same
+invocation: the tutorial's configuration and Hugging Face Trainer on the same DeepSpeed config, model, data and
+batch. See docs/benchmarks.md for the figures and how to read them.
+
+Every JSON line has: case, runner, shape, config knobs, step_s (mean over the timed steps; median, min, max),
+tokens_per_s_per_gpu (real, non-padding tokens), mfu, peak_mem_gib (rank 0, torch max allocated),
+time_to_first_step_s (process launch to the end of step 1), losses, versions, and the ds_config the app used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.metadata as md
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks import assets
+from benchmarks.runner import REPO, Case, run_app, run_hf
+
+MFU_FORMULA = ("MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden x seq_length) / peak; "
+               "peak = 989 TFLOP/s dense bf16 (H100/H200 SXM datasheet). Parameters include embeddings; "
+               "recomputation (activation checkpointing) is not counted as useful work.")
+
+
+# ---- suites ----------------------------------------------------------------------------------------------
+
+
+def tutorial(name: str = "tutorial", **kw) -> Case:
+    """The tutorial's configuration: GPT-2, micro-batch 1, short texts padded to 512, ZeRO-3, its ds_config."""
+    return Case(name, "gpt2-124m", {"data.packing": False, "data.seq_length": 512, "train.micro_batch_size": 1,
+                                    "deepspeed.zero_optimization.stage": 3},
+                lengths="news", corpus_tokens=2_000_000, warmup=3, steps=12, estimate=40, **kw)
+
+
+def gpt2(name: str, mb: int, stage: int, **kw) -> Case:
+    """The tutorial's workload (the same short texts), packed into 1024-token blocks."""
+    return Case(name, "gpt2-124m", {"data.packing": True, "data.seq_length": 1024, "train.micro_batch_size": mb,
+                                    "deepspeed.zero_optimization.stage": stage, **kw.pop("sets", {})},
+                lengths="news", corpus_tokens=2_000_000, warmup=4, steps=15, estimate=40, **kw)
+
+
+def llama(name: str, shape: str, mb: int, stage: int, liger: bool, zero: dict | None = None,
+          ckpt: bool = False, seq: int = 2048, **kw) -> Case:
+    sets = {"data.seq_length": seq, "train.micro_batch_size": mb, "deepspeed.zero_optimization.stage": stage,
+            "model.liger_kernels": liger, "model.gradient_checkpointing": ckpt}
+    sets.update({f"deepspeed.zero_optimization.{k}": v for k, v in (zero or {}).items()})
+    sets.update(kw.pop("sets", {}))
+    tokens = 2_500_000 if shape == "llama-1.1b" else 600_000
+    return Case(name, shape, sets, corpus_tokens=tokens, **kw)
+
+
+DS_DEFAULT_BUCKETS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+                      "stage3_param_persistence_threshold": 100_000}
+
+
+def suite_explore() -> list[Case]:
+    """First GPU pass: the baselines, then each candidate optimisation on its own (most important first)."""
+    big2 = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000}
+    persist = {"stage3_param_persistence_threshold": 10_000_000, "stage3_prefetch_bucket_size": 50_000_000}
+    return [
+        tutorial(),
+        gpt2("gpt2-z2-mb16", 16, 2),
+        llama("l1b-z2-mb8", "llama-1.1b", 8, 2, False),
+        llama("l1b-z2-mb16-liger", "llama-1.1b", 16, 2, True, estimate=60),
+        llama("l1b-z3-mb16-liger", "llama-1.1b", 16, 3, True),
+        llama("l1b-z3-mb8-liger", "llama-1.1b", 8, 3, True),
+        llama("hf-l1b-z3-mb16", "llama-1.1b", 16, 3, False, runner="hf", estimate=60),
+        llama("l8b-z3-mb4-liger", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=90, timeout=240),
+        llama("l1b-z2-mb16-liger-big", "llama-1.1b", 16, 2, True, big2),
+        llama("l1b-z3-mb16-liger-dsdef", "llama-1.1b", 16, 3, True, DS_DEFAULT_BUCKETS),
+        llama("l1b-z3-mb32-liger", "llama-1.1b", 32, 3, True),
+        llama("l1b-z3-mb16-liger-persist", "llama-1.1b", 16, 3, True, persist),
+        gpt2("gpt2-z2-mb32", 32, 2),
+        llama("l1b-z2-mb8-liger", "llama-1.1b", 8, 2, True),
+    ]
+
+
+def suite_gpu() -> list[Case]:
+    """Second GPU pass: ZeRO-3 with the chosen settings (and its checkpoint), HF Trainer beside it, Llama-8B."""
+    return [
+        llama("l1b-z3-mb16-liger", "llama-1.1b", 16, 3, True, checkpoint=True, estimate=200, timeout=360),
+        llama("hf-l1b-z3-mb16", "llama-1.1b", 16, 3, False, runner="hf", estimate=75),
+        llama("l8b-z3-mb4-liger", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=130, timeout=300),
+        llama("l8b-z3-mb8-liger-ckpt", "llama-8b", 8, 3, True, ckpt=True, warmup=2, steps=4, estimate=130,
+              timeout=300, fallback_for="l8b-z3-mb4-liger"),
+        llama("l1b-z3-mb32-liger", "llama-1.1b", 32, 3, True, estimate=90),
+        offload_8b(),
+    ]
+
+
+def offload_8b() -> Case:
+    """Llama-3-8B on one GPU: ZeRO-3 with the optimizer (fp32 master weights and Adam moments) in CPU memory."""
+    return llama("l8b-offload-1gpu", "llama-8b", 4, 3, True, ckpt=True, warmup=1, steps=2, estimate=300,
+                 timeout=480, sets={"scaling.num_workers": 1, "scaling.cpus_per_worker": 30,
+                                    "deepspeed.zero_optimization.offload_optimizer": {"device": "cpu",
+                                                                                      "pin_memory": True}})
+
+
+def suite_full() -> list[Case]:
+    """Everything in one invocation (about 15 minutes on 2 x H200; longer than one 10-minute device call)."""
+    return [
+        tutorial(),
+        gpt2("gpt2-z2-mb16", 16, 2),
+        llama("l1b-z2-mb8", "llama-1.1b", 8, 2, False),
+        llama("l1b-z2-mb16-liger", "llama-1.1b", 16, 2, True, estimate=60),
+        llama("hf-l1b-z2-mb16", "llama-1.1b", 16, 2, False, runner="hf", estimate=75),
+        *suite_gpu(),
+    ]
+
+
+def suite_smoke() -> list[Case]:
+    """CPU plumbing check: 2 CPU workers, tiny shapes; every runner and the checkpoint path once."""
+    cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1}
+    return [
+        Case("smoke-tutorial", "tiny-gpt2", {**cpu, "data.packing": False, "data.seq_length": 64,
+                                             "train.micro_batch_size": 1}, lengths="news", corpus_tokens=50_000,
+             warmup=1, steps=3),
+        Case("smoke-llama-z2", "tiny-llama", {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2,
+                                              "deepspeed.zero_optimization.stage": 2}, corpus_tokens=50_000,
+             warmup=1, steps=3),
+        Case("smoke-llama-z3-ckpt", "tiny-llama", {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2},
+             corpus_tokens=50_000, warmup=1, steps=3, checkpoint=True),
+        Case("smoke-hf-z3", "tiny-llama", {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2},
+             runner="hf", corpus_tokens=50_000, warmup=1, steps=3),
+    ]
+
+
+SUITES = {"explore": suite_explore, "gpu": suite_gpu, "full": suite_full, "smoke": suite_smoke}
+
+
+# ---- configs ---------------------------------------------------------------------------------------------
+
+
+def set_dotted(doc: dict[str, Any], key: str, value: Any) -> None:
+    node = doc
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
+    shape = assets.SHAPES[case.shape]
+    model = assets.model_folder(work, shape)
+    corpus = assets.corpus(work, assets.LENGTHS[case.lengths], shape.vocab, case.corpus_tokens)
+    if case.config:
+        doc = yaml.safe_load((REPO / case.config).read_text()) or {}
+    else:
+        doc = {"train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
+               "scaling": {"num_workers": 2, "use_gpu": True, "cpus_per_worker": 8},
+               "data": {"loader_workers": 2}}
+    need = case.warmup + case.steps
+    forced = {
+        "experiment.name": case.name, "experiment.storage_path": str(work / "storage"),
+        "model.name_or_path": f"random-init:{model}", "model.tokenizer": str(model),
+        "data.dataset": str(corpus), "data.split": "train", "data.eval_split": None, "data.eval_fraction": 0.0,
+        "train.epochs": 1, "train.max_steps_per_epoch": None,
+        # A few spare steps: the harness ends the run after the timed ones (a checkpoint case ends by itself).
+        "train.max_steps": need if case.checkpoint else need + 3,
+        "train.log_every_steps": 1, "train.eval_every_steps": None,
+        "checkpoint.every_steps": None, "checkpoint.export_final": False, "checkpoint.keep": 1,
+    }
+    for key, value in {**forced, **case.sets}.items():
+        set_dotted(doc, key, value)
+    return doc, shape
+
+
+# ---- environment -----------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "deepspeed", "ray", "datasets", "accelerate", "liger-kernel", "triton"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001
+        pass
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True).stdout.strip().splitlines()
+        out["gpus"] = q
+    out["cpus"] = os.cpu_count()
+    out["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    return out
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="explore", choices=sorted(SUITES))
+    p.add_argument("--only", default="", help="comma-separated case names to run (default: all)")
+    p.add_argument("--out", required=True, help="folder for results.jsonl, summary.txt and logs.txt")
+    p.add_argument("--work", default="/tmp/finetune-bench", help="scratch folder: models, corpora, storage")
+    p.add_argument("--deadline-s", type=float, default=1e9, help="skip cases that would end after this many seconds")
+    args = p.parse_args(argv)
+
+    t0 = time.time()
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    cases = SUITES[args.suite]()
+    if args.only:
+        wanted = set(args.only.split(","))
+        cases = [c for c in cases if c.name in wanted]
+    env = versions()
+    (out / "env.json").write_text(json.dumps(env, indent=2))
+    results = []
+    for case in cases:
+        elapsed = time.time() - t0
+        row: dict[str, Any] = {"case": case.name, "runner": case.runner, "shape": case.shape, "note": case.note}
+        failed = {r["case"] for r in results if r.get("error") or r.get("skipped")}
+        if case.fallback_for and case.fallback_for not in failed:
+            continue
+        if elapsed + case.estimate > args.deadline_s:
+            row["skipped"] = f"deadline ({elapsed:.0f}s elapsed)"
+            print(f"-- {case.name}: skipped, {row['skipped']}", flush=True)
+            _emit(out, row, results)
+            continue
+        doc, shape = case_config(case, work)
+        cfg_path = work / "configs" / f"{case.name}.yaml"
+        cfg_path.parent.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        log_path = work / "logs" / f"{case.name}.log"
+        log_path.unlink(missing_ok=True)
+        row.update(_knobs(doc, shape, cfg_path, case.runner))
+        print(f"-- {case.name}: {row['command']}", flush=True)
+        started = time.time()
+        run_dir = work / "storage" / case.name
+        try:
+            if case.runner == "hf":
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run_dir.mkdir(parents=True)
+                (run_dir / "cache").symlink_to(work / "cache", target_is_directory=True)
+                row.update(run_hf(case, cfg_path, row["workers"], work / f"{case.name}.json", log_path))
+            else:
+                row.update(run_app(case, cfg_path, run_dir, work / "cache", log_path))
+        except Exception as exc:  # noqa: BLE001 - one broken case must not end the suite
+            row["error"] = f"harness: {type(exc).__name__}: {exc}"
+        row["wall_s"] = round(time.time() - started, 1)
+        row["versions"] = env
+        row["mfu_formula"] = MFU_FORMULA
+        shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints are large; the figures are in the row
+        _emit(out, row, results)
+        _append_log(out / "logs.txt", case.name, log_path)
+        print(f"   {_line(row)}", flush=True)
+    summary = table(results)
+    (out / "summary.txt").write_text(summary)
+    print(summary)
+    print(f"total {time.time() - t0:.0f}s")
+    return 0
+
+
+def _knobs(doc: dict[str, Any], shape: assets.Shape, cfg_path: Path, runner: str) -> dict[str, Any]:
+    from app import config as config_mod, ds_config
+
+    cfg = config_mod.load(cfg_path)
+    workers = cfg.scaling.num_workers
+    ds = ds_config.build(cfg, shape.hidden, workers)  # what driver.check hands the workers
+    return {
+        "workers": workers, "stage": cfg.zero_stage, "micro_batch": cfg.train.micro_batch_size,
+        "grad_accum": cfg.train.gradient_accumulation_steps, "seq": cfg.data.seq_length, "packing": cfg.data.packing,
+        "liger": cfg.model.liger_kernels, "act_ckpt": cfg.model.gradient_checkpointing,
+        "offload": bool(ds["zero_optimization"].get("offload_optimizer")), "ds_config": ds,
+        "command": (f"python -m torch.distributed.run --standalone --nproc_per_node {workers} -m benchmarks.hf_trainer "
+                    f"--config {cfg_path}") if runner == "hf" else f"python -m app.cli train {cfg_path}",
+    }
+
+
+def _emit(out: Path, row: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    results.append(row)
+    with (out / "results.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _append_log(dest: Path, name: str, log_path: Path, lines: int = 40) -> None:
+    text = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    keep = [l for l in text if "step " in l or "rror" in l or "resumed" in l][-lines:]
+    with dest.open("a") as f:
+        f.write(f"===== {name}\n" + "\n".join(keep or text[-lines:]) + "\n")
+
+
+def _line(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return f"ERROR {r['error'][:400]}"
+    mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+    return (f"step {r.get('step_s', 0):.3f}s  tok/s/GPU {r.get('tokens_per_s_per_gpu', 0):,.0f}  MFU {mfu}  "
+            f"mem {r.get('peak_mem_gib')} GiB  first step {r.get('time_to_first_step_s')}s  wall {r.get('wall_s')}s")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    base = next((r.get("tokens_per_s_per_gpu") for r in results if r["case"].startswith("tutorial")), None)
+    rows = ["| case | runner | stage | mb x seq | liger | step s | real tok/s/GPU | x tutorial | MFU | peak GiB | 1st step s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.get("skipped") or r.get("error"):
+            rows.append(f"| {r['case']} | {r['runner']} | | | | {r.get('skipped') or 'ERROR'} | | | | | |")
+            continue
+        tps = r.get("tokens_per_s_per_gpu") or 0
+        ratio = f"{tps / base:,.0f}x" if base else ""
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
+        rows.append(f"| {r['case']} | {r['runner']} | {r.get('stage')} | {r.get('micro_batch')} x {r.get('seq')} | "
+                    f"{'y' if r.get('liger') else ''} | {r.get('step_s')} | {tps:,.0f} | {ratio} | {mfu} | "
+                    f"{r.get('peak_mem_gib')} | {r.get('time_to_first_step_s')} |")
+        if r.get("checkpoint"):
+            rows.append(f"|   checkpoint | {json.dumps(r['checkpoint'])} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

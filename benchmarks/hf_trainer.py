@@ -1,0 +1,107 @@
+"""The side-by-side baseline: Hugging Face `Trainer` with the same DeepSpeed config, model, data and batch.
+
+Run under torchrun (one process per GPU), from a training config YAML of this app:
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.hf_trainer --config C.yaml
+
+What is shared with `finetune train`, so that only the training engine differs: the DeepSpeed config
+(`app.ds_config.build`, every "auto" filled the same way), the model (`app.model.load_model`: same shape, same
+init, same attention kernel and options), the data (`app.data.prepare`: the same tokenized, packed blocks),
+the micro-batch, accumulation, world size, learning rate, clipping and a fused torch AdamW. Step times are
+taken at each `on_step_end` after `torch.cuda.synchronize()`. Trainer's own logging runs every step, as the
+app's does (both read the loss on the host each step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from app import config as config_mod, data, ds_config, metrics
+    from app.model import hidden_size, load_model, load_model_config, load_tokenizer
+
+    import deepspeed
+
+    launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
+    # The process group first (as Trainer's own DeepSpeed setup would), so every rank sees the world size.
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    cfg = config_mod.resolve(config_mod.load(args.config))
+    t = cfg.train
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    mc = load_model_config(cfg.model)
+    ds = ds_config.build(cfg, hidden_size(mc), world)
+    total = args.warmup + args.steps
+    out_dir = Path(tempfile.mkdtemp(prefix="hf-trainer-"))
+    targs = TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps, max_steps=total, learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1], adam_epsilon=t.adam_eps,
+        max_grad_norm=t.max_grad_norm, lr_scheduler_type="constant", warmup_steps=0,
+        bf16=t.precision == "bf16", fp16=t.precision == "fp16", deepspeed=ds, optim="adamw_torch_fused",
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=t.seed,
+        dataloader_num_workers=cfg.data.loader_workers, dataloader_pin_memory=True, dataloader_drop_last=True,
+        use_cpu=not torch.cuda.is_available(),
+    )  # also makes the live HfDeepSpeedConfig that builds a ZeRO-3 model partitioned
+    tokenizer = load_tokenizer(cfg.model)
+    cache = Path(cfg.experiment_dir) / "cache"
+    train_set, _ = data.prepare(cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path, cache, t.seed,
+                                rank, barrier=dist.barrier)
+    model = load_model(cfg.model, ds)  # gradient checkpointing and Liger as the config says
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
+    fpt = metrics.flops_per_token(n_params, layers, hidden_size(mc), cfg.data.seq_length)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.losses: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.ends.append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(round(float(logs["loss"]), 4))
+
+    clock = Clock()
+    trainer = Trainer(model=model, args=targs, train_dataset=train_set, callbacks=[clock])
+    trainer.train()
+    if rank != 0:
+        return
+    times = [b - a for a, b in zip(clock.ends[:-1], clock.ends[1:])][max(args.warmup - 1, 0):]
+    per_step = t.micro_batch_size * t.gradient_accumulation_steps * (cfg.data.seq_length - 1)  # as the app counts
+    step_s = sum(times) / len(times)
+    tps = per_step / step_s
+    peak = metrics.peak_flops()
+    result = {
+        "steps_logged": len(clock.ends), "steps_timed": len(times), "losses": clock.losses,
+        "time_to_first_step_s": round(clock.ends[0] - launch, 2), "step_s": round(step_s, 4),
+        "step_s_median": round(sorted(times)[len(times) // 2], 4), "step_s_min": round(min(times), 4),
+        "step_s_max": round(max(times), 4), "tokens_per_s_per_gpu": round(tps, 1),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+    }
+    if peak:
+        result["mfu"] = round(tps * fpt / peak, 4)
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

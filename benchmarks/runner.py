@@ -1,0 +1,319 @@
+"""Running one benchmark case through the product's own entry point, and reading what it measured.
+
+The app runner starts `python -m app.cli train CONFIG` (what `finetune train` runs: the same config models,
+DeepSpeed config builder, data pipeline, Ray TorchTrainer and per-worker loop) in a process session of its
+own, follows `<storage>/<experiment>/metrics.jsonl` (one record per optimizer step: the loop synchronises
+with an all-reduce and `.item()` before it reads its clock, so each step time is a synchronised one), and
+ends that process session once the timed steps are in, unless the case wants the run's own end (its final
+checkpoint) measured too. The HF runner starts `benchmarks.hf_trainer` under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Case:
+    name: str  # also the experiment name: a DNS-1035 label
+    shape: str
+    sets: dict[str, Any] = field(default_factory=dict)  # dotted config overrides, as `--set`
+    runner: str = "app"  # "app" (finetune train) or "hf" (Hugging Face Trainer under torchrun)
+    config: str | None = None  # an examples/ YAML to start from, instead of the generated base config
+    lengths: str = "docs"
+    corpus_tokens: int = 2_500_000
+    warmup: int = 3
+    steps: int = 8
+    checkpoint: bool = False  # let the run end, measure its final checkpoint, then time a resume from it
+    fallback_for: str | None = None  # run only if the case of this name failed (e.g. out of memory)
+    timeout: float = 240
+    estimate: float = 45  # seconds, for the suite's deadline
+    note: str = ""
+
+
+# ---- processes --------------------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop(proc: subprocess.Popen, grace: float = 15) -> None:
+    """End the process session this harness started for one case, and every process it started."""
+    tree = [proc.pid] + descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace
+        while time.time() < deadline and any(alive(p) for p in tree):
+            time.sleep(0.2)
+            proc.poll()
+        if not any(alive(p) for p in tree):
+            break
+    proc.poll()
+    wait_gpus_free()
+
+
+def wait_gpus_free(limit: float = 30) -> None:
+    if not shutil.which("nvidia-smi"):
+        return
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+        if not out:
+            return
+        time.sleep(0.5)
+
+
+def bench_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "warning",
+        # `datasets` imports JAX and TensorFlow when it finds them (seconds per worker at start); torch only here.
+        "USE_JAX": "0", "USE_TF": "0", "USE_TORCH": "1",
+    })
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder cannot parse "9.0a"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# ---- reading results --------------------------------------------------------------------------------------
+
+
+def read_records(path: Path, kind: str = "train") -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+        if rec.get("kind") == kind:
+            out.append(rec)
+    return out
+
+
+def summarise(records: list[dict[str, Any]], warmup: int, launch: float) -> dict[str, Any]:
+    """Figures over the timed steps (those after `warmup`)."""
+    timed = records[warmup:]
+    out: dict[str, Any] = {"steps_logged": len(records), "steps_timed": len(timed),
+                           "losses": [round(r["loss"], 4) for r in records]}
+    if records:
+        out["time_to_first_step_s"] = round(records[0]["time"] - launch, 2)
+    if not timed:
+        return out
+    times = [r["step_time_s"] for r in timed]
+    tokens = sum(r["tokens_per_s_per_gpu"] * r["step_time_s"] for r in timed)
+    out.update({
+        "step_s": round(sum(times) / len(times), 4),
+        "step_s_median": round(statistics.median(times), 4),
+        "step_s_min": round(min(times), 4),
+        "step_s_max": round(max(times), 4),
+        "tokens_per_s_per_gpu": round(tokens / sum(times), 1),
+        "peak_mem_gib": round(max(r.get("peak_mem_gib", 0.0) for r in records), 2),
+    })
+    if all("mfu" in r for r in timed):
+        out["mfu"] = round(sum(r["mfu"] * r["step_time_s"] for r in timed) / sum(times), 4)
+    return out
+
+
+# DeepSpeed's first log line of a checkpoint load (rank 0), newest wording first.
+LOAD_START = ("zero partition checkpoints", "Loading model from", "loading checkpoint")
+# A worker log line written once the model is built, before the DeepSpeed engine (Liger's, when it is on).
+MODEL_BUILT = ("Applying Liger kernels",)
+TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[,.](\d{3})")
+
+
+def log_time(log: str, needle: str) -> float | None:
+    """Wall time of the first log line containing `needle` (the loop's and DeepSpeed's line stamps)."""
+    for line in log.splitlines():
+        if needle in line:
+            m = TIMESTAMP.search(line)
+            if m:
+                return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+    return None
+
+
+def error_lines(log: str, n: int = 6) -> str:
+    keys = ("Error", "error:", "Exception", "OOM", "out of memory", "Traceback")
+    hits = [line.strip() for line in log.splitlines() if any(k in line for k in keys)]
+    return " | ".join(hits[-n:])[-1500:] if hits else log.strip()[-800:]
+
+
+# ---- the app runner ---------------------------------------------------------------------------------------
+
+
+def launch_app(cfg_path: Path, log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
+    log = log_path.open("a")
+    launch = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", str(cfg_path)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc, launch
+
+
+def follow(proc: subprocess.Popen, metrics: Path, need: int | None, timeout: float, launch: float) -> str | None:
+    """Wait for `need` step records (then end the run), or for the run's own end; the reason if it failed."""
+    while True:
+        rc = proc.poll()
+        if need is not None and len(read_records(metrics)) >= need:
+            stop(proc)
+            return None
+        if rc is not None:
+            wait_gpus_free()
+            return None if rc == 0 else f"exit code {rc}"
+        if time.time() - launch > timeout:
+            stop(proc)
+            return f"timed out after {timeout:.0f}s"
+        time.sleep(0.5)
+
+
+def run_app(case: Case, cfg_path: Path, run_dir: Path, shared_cache: Path, log_path: Path) -> dict[str, Any]:
+    env = bench_env()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    shared_cache.mkdir(parents=True, exist_ok=True)
+    # The tokenized-data cache is keyed by everything that shapes it: cases on the same corpus share it.
+    (run_dir / "cache").symlink_to(shared_cache, target_is_directory=True)
+    metrics = run_dir / "metrics.jsonl"
+    need = case.warmup + case.steps
+    proc, launch = launch_app(cfg_path, log_path, env)
+    failure = follow(proc, metrics, None if case.checkpoint else need, case.timeout, launch)
+    records = read_records(metrics)
+    result = summarise(records, case.warmup, launch)
+    if failure and len(records) < need:
+        result["error"] = f"{failure}: {error_lines(log_path.read_text(errors='replace'))}"
+    if case.checkpoint and not result.get("error"):
+        result["checkpoint"] = measure_checkpoint(case, cfg_path, run_dir, records, launch, log_path, env)
+    return result
+
+
+def measure_checkpoint(case: Case, cfg_path: Path, run_dir: Path, records: list[dict[str, Any]], launch: float,
+                       log_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The run's final checkpoint (written by the loop, straight to its folder): size, write time, and the
+    time a new deploy of the same experiment takes to load it."""
+    done = sorted((run_dir / "checkpoints").glob("step-*"))
+    if not done or not (done[-1] / "trainer_state.json").exists():
+        return {"error": "no complete checkpoint"}
+    ck = done[-1]
+    files = [f for f in ck.rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    first_write = min(f.stat().st_mtime for f in files)
+    end = (ck / "trainer_state.json").stat().st_mtime
+    save_s = end - records[-1]["time"]
+    t = time.time()
+    os.sync()
+    sync_s = time.time() - t
+    out: dict[str, Any] = {
+        "bytes": size, "files": len(files), "save_s": round(save_s, 2), "write_span_s": round(end - first_write, 2),
+        "write_gb_per_s": round(size / save_s / 1e9, 2), "sync_after_s": round(sync_s, 2),
+        "durable_gb_per_s": round(size / (save_s + sync_s) / 1e9, 2),
+    }
+    try:  # read it back from disk, not from the page cache (root in the benchmark VM; skipped elsewhere)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        out["page_cache_dropped"] = True
+    except OSError:
+        out["page_cache_dropped"] = False
+    # Resume: deploy the same experiment again with a few more steps; end it at its first step.
+    cfg_resume = cfg_path.with_name(cfg_path.stem + "-resume.yaml")
+    import yaml
+
+    doc = yaml.safe_load(cfg_path.read_text())
+    doc["train"]["max_steps"] = len(records) + 3
+    cfg_resume.write_text(yaml.safe_dump(doc, sort_keys=False))
+    before = log_path.read_text(errors="replace")
+    proc, launch2 = launch_app(cfg_resume, log_path, env)
+    failure = follow(proc, run_dir / "metrics.jsonl", len(records) + 1, case.timeout, launch2)
+    log = log_path.read_text(errors="replace")[len(before):]
+    resumed = [r for r in read_records(run_dir / "metrics.jsonl") if r["time"] > launch2]
+    if failure or not resumed:
+        out["resume_error"] = failure or error_lines(log)
+        return out
+    out["resume_time_to_first_step_s"] = round(resumed[0]["time"] - launch2, 2)
+    out["fresh_time_to_first_step_s"] = round(records[0]["time"] - launch, 2)
+    out["resumed_at_step"] = resumed[0]["step"]
+    started = next((t for t in (log_time(log, n) for n in LOAD_START) if t), None)
+    loaded = log_time(log, "resumed from")
+    if started and loaded and loaded >= started:
+        out["load_s"] = round(loaded - started, 2)
+    # Without a log line of its own for the load: the loop logs "starting ... from scratch" or "resumed from"
+    # right after the engine is built (and, on resume, loaded); the model is built before the engine. The
+    # model-built -> loop-ready interval of the resumed run minus that of the fresh run is the load.
+    for marker in MODEL_BUILT:
+        a, b = log_time(before, marker), log_time(log, marker)
+        fresh_ready = log_time(before, "from scratch")
+        if a and b and fresh_ready and loaded:
+            out["load_s_estimate"] = round((loaded - b) - (fresh_ready - a), 2)
+            out["load_s_estimate_method"] = f"(resumed - fresh) interval from '{marker}' to the loop's first line"
+            break
+    out["startup_difference_s"] = round(out["resume_time_to_first_step_s"] - out["fresh_time_to_first_step_s"], 2)
+    return out
+
+
+# ---- the Hugging Face Trainer runner ---------------------------------------------------------------------
+
+
+def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: Path) -> dict[str, Any]:
+    env = bench_env()
+    env["BENCH_LAUNCH_T"] = repr(time.time())
+    out_json.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+           "-m", "benchmarks.hf_trainer", "--config", str(cfg_path), "--warmup", str(case.warmup),
+           "--steps", str(case.steps), "--out", str(out_json)]
+    with log_path.open("a") as log:
+        launch = time.time()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    failure = follow(proc, out_json, None, case.timeout, launch)
+    if out_json.exists():
+        return json.loads(out_json.read_text())
+    return {"error": f"{failure or 'no result'}: {error_lines(log_path.read_text(errors='replace'))}"}
