@@ -14,6 +14,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
+	$(PY) tools/k8s_tools.py
 	touch $@
 
 tiny: setup
@@ -34,3 +35,21 @@ lock: setup
 
 clean:
 	rm -rf .local .pytest_cache
+
+# The chart's values.schema.json from the app's config models (tests fail when it is stale).
+.PHONY: schema manifests
+schema: setup
+	$(PY) -m app.schema --write
+
+# k8s/ = the chart rendered with its defaults, one file per purpose (tests fail when it is stale).
+manifests: schema
+	$(PY) tools/manifests.py
+
+# Lints the Dockerfile with hadolint (a dev dependency), with the flags tests/test_image.py uses:
+# strictest threshold, inline ignores disabled, Docker Hub only, OCI labels required. No container engine needed.
+.PHONY: lint-image
+lint-image: setup
+	$(BIN)/hadolint --failure-threshold style --disable-ignore-pragma --trusted-registry docker.io \
+	  --require-label org.opencontainers.image.version:text --require-label org.opencontainers.image.source:url \
+	  --require-label org.opencontainers.image.revision:text --require-label org.opencontainers.image.licenses:spdx \
+	  Dockerfile

@@ -1,0 +1,212 @@
+"""The Helm chart's values.schema.json: `training` from the app's config models, the rest declared here.
+
+`helm install/template/lint` validate values against it, so the chart rejects what `finetune validate` would
+reject (types, ranges, unknown keys) before anything is created. The `training` part is generated from
+`TrainingConfig` (pydantic), plus the checks its validators make in code (the experiment name's DNS-1035
+form); tests/test_chart.py fails when the committed file differs from what this module generates.
+
+    python -m app.schema            # print the schema
+    python -m app.schema --write    # write helm/ray-finetune/values.schema.json (make schema)
+    python -m app.schema --check    # exit 1 when the committed file is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.config import DNS1035, MAX_EXPERIMENT_NAME, TrainingConfig
+
+CHART_SCHEMA = Path(__file__).resolve().parents[1] / "helm" / "ray-finetune" / "values.schema.json"
+DRAFT = "https://json-schema.org/draft/2020-12/schema"
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
+def training_schema() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(schema of the `training` key, its $defs), from the pydantic models."""
+    schema = _simplify(TrainingConfig.model_json_schema(mode="validation"))
+    defs = schema.pop("$defs")
+    name = defs["ExperimentConfig"]["properties"]["name"]
+    assert name["type"] == ["string", "null"], name
+    # ExperimentConfig checks this in a validator; the schema states it so helm rejects it too.
+    name["pattern"] = DNS1035.pattern
+    name["maxLength"] = MAX_EXPERIMENT_NAME
+    schema["description"] = ("The app's training config file (see `finetune validate`); generated from "
+                             "app.config.TrainingConfig by `make schema`.")
+    return schema, defs
+
+
+def _simplify(node: Any) -> Any:
+    """Drop pydantic's titles, and write `X | None` as one schema typed [X, "null"], so that helm's
+    message names the broken constraint instead of listing every failed anyOf branch."""
+    if isinstance(node, list):
+        return [_simplify(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _simplify(v) for k, v in node.items() if not (k == "title" and isinstance(v, str))}
+    branches = node.get("anyOf")
+    if isinstance(branches, list) and len(branches) == 2 and {"type": "null"} in branches:
+        other = next(b for b in branches if b != {"type": "null"})
+        if isinstance(other.get("type"), str) and other["type"] not in ("object", "array"):
+            node.pop("anyOf")
+            node = {**other, **node, "type": [other["type"], "null"]}
+    return node
+
+
+# --- the Kubernetes half of the values -------------------------------------------------------------------
+
+
+def _obj(props: dict[str, Any], description: str = "", **extra) -> dict[str, Any]:
+    out = {"type": "object", "additionalProperties": False, "properties": props, **extra}
+    if description:
+        out["description"] = description
+    return out
+
+
+def _int(minimum: int = 0) -> dict[str, Any]:
+    return {"type": "integer", "minimum": minimum}
+
+
+STR = {"type": "string"}
+BOOL = {"type": "boolean"}
+FREE_OBJECT = {"type": "object"}  # a Kubernetes structure (affinity, resources, ...) checked on the output
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+SCALAR_MAP = {"type": "object", "additionalProperties": {"type": ["string", "number", "boolean"]}}
+QTY = {"type": "string", "pattern": QUANTITY}
+ENV_LIST = {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {"name": STR}}}
+LIST_OF_OBJECTS = {"type": "array", "items": {"type": "object"}}
+RESOURCES = _obj({"requests": {"type": "object"}, "limits": {"type": "object"}, "claims": {"type": "array"}})
+IMAGE_OVERRIDE = _obj({"repository": STR, "tag": {"type": ["string", "number"]}})
+SCHEDULING = {
+    "nodeSelector": STRING_MAP,
+    "tolerations": LIST_OF_OBJECTS,
+    "affinity": FREE_OBJECT,
+    "priorityClassName": STR,
+}
+
+
+def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "rayStartParams": SCALAR_MAP,
+        "resources": RESOURCES,
+        "shmSize": QTY,
+        **SCHEDULING,
+        "env": ENV_LIST,
+        "extraVolumes": LIST_OF_OBJECTS,
+        "extraVolumeMounts": LIST_OF_OBJECTS,
+        "labels": STRING_MAP,
+        "annotations": STRING_MAP,
+        "image": IMAGE_OVERRIDE,
+        **extra,
+    }
+
+
+def kubernetes_properties() -> dict[str, Any]:
+    worker_group = _obj(_pod_group({
+        "enabled": BOOL,
+        "replicas": _int(0),
+        "minReplicas": _int(0),
+        "maxReplicas": _int(0),
+        "numOfHosts": _int(1),
+        "gpus": {**_int(0), "description": "GPUs per pod (requests = limits)."},
+        "gpuResource": {"type": "string", "minLength": 1},
+    }), "One worker group.")
+    return {
+        "image": _obj({
+            "repository": {"type": "string", "minLength": 1},
+            "tag": {"type": ["string", "number"]},
+            "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+        }),
+        "imagePullSecrets": {"type": "array", "items": _obj({"name": STR}, required=["name"])},
+        "rayVersion": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+"},
+        "commonLabels": STRING_MAP,
+        "rayJob": _obj({
+            "clusterMode": {"enum": ["ephemeral", "persistent"]},
+            "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode"]},
+            "shutdownAfterJobFinishes": BOOL,
+            "ttlSecondsAfterFinished": _int(0),
+            "backoffLimit": _int(0),
+            "activeDeadlineSeconds": _int(0),
+            "suspend": BOOL,
+            "queueName": STR,
+            "labels": STRING_MAP,
+            "annotations": STRING_MAP,
+            "submitter": _obj({
+                "backoffLimit": _int(0),
+                "resources": RESOURCES,
+                "nodeSelector": STRING_MAP,
+                "tolerations": LIST_OF_OBJECTS,
+            }),
+        }),
+        "auth": _obj({"mode": {"enum": ["token", "disabled"]}, "secretName": STR}),
+        "autoscaling": _obj({"enabled": BOOL}),
+        "head": _obj(_pod_group({"serviceAccountName": STR})),
+        "workers": {
+            "type": "object",
+            "description": "Worker groups keyed by group name; null or enabled: false leaves a group out.",
+            "additionalProperties": {**worker_group, "type": ["object", "null"]},
+        },
+        "storage": _obj({
+            "mountPath": {"type": "string", "pattern": "^/"},
+            "create": BOOL,
+            "existingClaim": STR,
+            "storageClassName": STR,
+            "size": QTY,
+            "accessModes": {"type": "array", "minItems": 1, "items": {
+                "enum": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]}},
+            "annotations": STRING_MAP,
+            "huggingfaceCache": BOOL,
+        }),
+        "huggingface": _obj({
+            "tokenSecret": _obj({"name": STR, "key": {"type": "string", "minLength": 1}},
+                                "An existing Secret holding the token; the token itself never goes in values."),
+        }),
+        "ncclEnv": {**SCALAR_MAP, "description": "NCCL_* variables (validate.yaml rejects other names)."},
+        "env": ENV_LIST,
+        "podSecurityContext": FREE_OBJECT,
+        "progressReporting": _obj({"enabled": BOOL, "rbac": _obj({"create": BOOL})}),
+    }
+
+
+def chart_schema() -> dict[str, Any]:
+    training, defs = training_schema()
+    return {
+        "$schema": DRAFT,
+        "$comment": "Generated by `python -m app.schema --write` (make schema); do not edit.",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {**kubernetes_properties(), "training": training},
+        "$defs": defs,
+    }
+
+
+def render() -> str:
+    return json.dumps(chart_schema(), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.schema", description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="write the chart's values.schema.json")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the file differs from the models")
+    parser.add_argument("--out", type=Path, default=CHART_SCHEMA, help="schema file (default: the chart's)")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        if current != text:
+            print(f"{args.out} is stale: run `make schema`", file=sys.stderr)
+            return 1
+        return 0
+    if args.write:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+{{/*
+The ConfigMap's data. training.yaml is training.* from values as the app reads it, with
+experiment.storage_path set to the volume's mount path; experiment.name and scaling.num_workers are
+decided by the deployment and passed on the entrypoint (--set), so one file serves every experiment.
+ds_config.json is the DeepSpeed config the app derives from both (for reading; the app computes its own).
+*/}}
+{{- define "ray-finetune.trainingConfig" -}}
+{{- $t := deepCopy (.Values.training | default dict) -}}
+{{- $exp := deepCopy (get $t "experiment" | default dict) -}}
+{{- $_ := unset $exp "name" -}}
+{{- $_ := set $exp "storage_path" (include "ray-finetune.mountPath" .) -}}
+{{- $_ := set $t "experiment" $exp -}}
+{{- $scaling := deepCopy (get $t "scaling" | default dict) -}}
+{{- $_ := unset $scaling "num_workers" -}}
+{{- $_ := set $t "scaling" $scaling -}}
+{{- toJson $t -}}
+{{- end }}
+
+{{- define "ray-finetune.configData" -}}
+training.yaml: |
+  # The training config that `finetune train` reads. experiment.name and scaling.num_workers are not here:
+  # the RayJob's entrypoint passes them (--set), as the deployment decides the run's identity and scale.
+  {{- include "ray-finetune.toYaml" (include "ray-finetune.trainingConfig" . | fromJson) | nindent 2 }}
+ds_config.json: |
+  {{- include "ray-finetune.dsConfig" . | fromJson | toPrettyJson | nindent 2 }}
+{{- end }}

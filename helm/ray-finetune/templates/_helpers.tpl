@@ -1,0 +1,115 @@
+{{/*
+Names, labels, images and the values derived from several places (worker count, storage).
+Every object is named after the experiment: one name is the identity of a run, on the volume and in the cluster.
+*/}}
+
+{{/* Where the ConfigMap (training.yaml, ds_config.json) is mounted, read-only, in head and workers. */}}
+{{- define "ray-finetune.configDir" -}}/etc/finetune{{- end }}
+
+{{/* The experiment name: training.experiment.name, or the release name. Checked in validate.yaml. */}}
+{{- define "ray-finetune.experiment" -}}
+{{- $name := dig "experiment" "name" "" (.Values.training | default dict) | toString -}}
+{{- if or (eq $name "") (eq $name "<nil>") }}{{ $name = .Release.Name }}{{ end -}}
+{{- $name -}}
+{{- end }}
+
+{{- define "ray-finetune.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+ray-finetune/experiment: {{ include "ray-finetune.experiment" . }}
+{{- end }}
+
+{{- define "ray-finetune.labels" -}}
+{{ include "ray-finetune.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* image: call with (dict "root" $ "override" .Values.head.image) */}}
+{{- define "ray-finetune.image" -}}
+{{- $o := .override | default dict -}}
+{{- $repo := $o.repository | default .root.Values.image.repository -}}
+{{- $tag := $o.tag | default .root.Values.image.tag | default .root.Chart.AppVersion -}}
+{{- printf "%s:%s" $repo (toString $tag) -}}
+{{- end }}
+
+{{/* The worker groups that are enabled, as a list of (dict "name" NAME "spec" SPEC), in name order. */}}
+{{- define "ray-finetune.groups" -}}
+{{- $out := list -}}
+{{- range $name, $g := .Values.workers }}
+{{- if and $g (ne (toString (dig "enabled" true $g)) "false") }}
+{{- $out = append $out (dict "name" $name "spec" $g) }}
+{{- end }}
+{{- end }}
+{{- toJson $out -}}
+{{- end }}
+
+{{/* Pods of one group at most: maxReplicas with autoscaling, else replicas; times numOfHosts. */}}
+{{- define "ray-finetune.groupPods" -}}
+{{- $g := .spec -}}
+{{- $replicas := ternary ($g.maxReplicas | default 0) ($g.replicas | default 0) (.root.Values.autoscaling.enabled | default false) -}}
+{{- mul (int $replicas) (int ($g.numOfHosts | default 1)) -}}
+{{- end }}
+
+{{/* Total GPUs and pods of the enabled worker groups, as JSON {"gpus": N, "pods": M, "detail": "..."}. */}}
+{{- define "ray-finetune.capacity" -}}
+{{- $gpus := 0 -}}{{- $pods := 0 -}}{{- $detail := list -}}
+{{- range (include "ray-finetune.groups" . | fromJsonArray) }}
+{{- $n := include "ray-finetune.groupPods" (dict "root" $ "spec" .spec) | int -}}
+{{- $per := int (.spec.gpus | default 0) -}}
+{{- $gpus = add $gpus (mul $n $per) -}}
+{{- $pods = add $pods $n -}}
+{{- $detail = append $detail (printf "workers.%s: %d pods x %d GPUs" .name $n $per) -}}
+{{- end }}
+{{- toJson (dict "gpus" $gpus "pods" $pods "detail" (join ", " $detail)) -}}
+{{- end }}
+
+{{/*
+Ray Train workers: training.scaling.num_workers when set, else one per GPU of the worker groups
+(with use_gpu false: one per worker pod). validate.yaml fails when an explicit value exceeds the GPUs.
+*/}}
+{{- define "ray-finetune.numWorkers" -}}
+{{- $scaling := .Values.training.scaling | default dict -}}
+{{- $explicit := toString (dig "num_workers" "" $scaling) -}}
+{{- if and (ne $explicit "") (ne $explicit "<nil>") -}}
+{{- int $scaling.num_workers -}}
+{{- else -}}
+{{- $cap := include "ray-finetune.capacity" . | fromJson -}}
+{{- if ne (toString (dig "use_gpu" true $scaling)) "false" }}{{ int $cap.gpus }}{{ else }}{{ int $cap.pods }}{{ end -}}
+{{- end -}}
+{{- end }}
+
+{{/* The mount path without a trailing slash. */}}
+{{- define "ray-finetune.mountPath" -}}
+{{- $p := trimSuffix "/" .Values.storage.mountPath -}}
+{{- $p | default "/" -}}
+{{- end }}
+
+{{- define "ray-finetune.claimName" -}}
+{{- if .Values.storage.existingClaim }}{{ .Values.storage.existingClaim }}{{ else }}{{ include "ray-finetune.experiment" . }}{{ end -}}
+{{- end }}
+
+{{- define "ray-finetune.serviceAccountName" -}}
+{{- if and .Values.progressReporting.enabled .Values.progressReporting.rbac.create -}}
+{{ include "ray-finetune.experiment" . }}
+{{- else -}}
+{{ .Values.head.serviceAccountName }}
+{{- end -}}
+{{- end }}
+
+{{/* The RayJob entrypoint: the mounted config, plus what the deployment decides (scale and identity). */}}
+{{- define "ray-finetune.entrypoint" -}}
+finetune train {{ include "ray-finetune.configDir" . }}/training.yaml --set scaling.num_workers={{ include "ray-finetune.numWorkers" . }} --set experiment.name={{ include "ray-finetune.experiment" . }}
+{{- end }}
+
+{{/*
+toYaml, with floats that Go writes as 1e-06 given a decimal point (1.0e-06): YAML 1.1 readers such as
+PyYAML read an exponent without a point as a string.
+*/}}
+{{- define "ray-finetune.toYaml" -}}
+{{- regexReplaceAll "(?m)(^|: |- )(-?[0-9]+)(e[-+][0-9]+)$" (toYaml .) "${1}${2}.0${3}" -}}
+{{- end }}

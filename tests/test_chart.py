@@ -1,0 +1,373 @@
+"""The Helm chart, with the real helm binary: lint, render, validate every object, structural contracts,
+bad values rejected with a message naming the value, the generated schema in sync with the app's models,
+and the ConfigMap's ds_config.json equal to what `finetune validate` prints for the same training values."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from app import schema as schema_mod
+from app.config import TrainingConfig
+from k8s_support import (CHART, EXAMPLE_VALUES, REPO, by_kind, cluster_spec, config_files, container, env_of,
+                         helm, one, pod_templates, render, template_args, validate_all)
+
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+CHART_META = yaml.safe_load((CHART / "Chart.yaml").read_text())
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+VALUE_SETS = [pytest.param([], id="defaults")] + [pytest.param([p], id=p.stem) for p in EXAMPLE_VALUES]
+
+
+# --- schema and defaults follow the app --------------------------------------------------------------------
+
+
+def test_values_schema_is_generated_from_the_app_models(tmp_path):
+    committed = (CHART / "values.schema.json").read_text()
+    assert committed == schema_mod.render(), "helm/ray-finetune/values.schema.json is stale: run `make schema`"
+    assert schema_mod.main(["--check"]) == 0
+    jsonschema.Draft202012Validator.check_schema(json.loads(committed))
+    # A hand edit (or a model change without `make schema`) is caught:
+    drifted = json.loads(committed)
+    drifted["$defs"]["TrainConfig"]["properties"]["epochs"]["minimum"] = 0
+    copy_path = tmp_path / "values.schema.json"
+    copy_path.write_text(json.dumps(drifted, indent=2) + "\n")
+    assert schema_mod.main(["--check", "--out", str(copy_path)]) == 1
+
+
+def test_values_training_defaults_are_the_app_defaults():
+    """values.yaml spells out every training default (documented in place); they must stay the app's."""
+    expected = TrainingConfig().model_dump(mode="json")
+    del expected["experiment"]["storage_path"]  # set by the chart: storage.mountPath
+    del expected["scaling"]["num_workers"]  # derived by the chart from the worker groups' GPUs
+    expected["train"]["adam_betas"] = list(expected["train"]["adam_betas"])
+    expected["experiment"]["on_conflict"] = "wait"  # the chart's documented choice: retries wait out a dead lease
+    assert VALUES["training"] == expected
+
+
+def test_values_files_match_the_schema_in_python_too():
+    """The same schema through Python's jsonschema: the defaults and every example are valid, with and
+    without the chart's defaults merged in."""
+    validator = jsonschema.Draft202012Validator(json.loads((CHART / "values.schema.json").read_text()))
+    for path in [CHART / "values.yaml", *EXAMPLE_VALUES]:
+        doc = yaml.safe_load(path.read_text())
+        assert not list(validator.iter_errors(doc)), path
+        assert not list(validator.iter_errors(merge(VALUES, doc))), path
+
+
+def test_versions_agree():
+    assert CHART_META["appVersion"] == VERSION
+    assert VALUES["image"]["tag"] == "", "empty tag: the chart's appVersion"
+    assert VALUES["rayVersion"] == "2.60.0"
+
+
+# --- render and validate ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_lint_render_validate(values, tmp_path):
+    args = ["lint", "--strict", str(CHART)] + [a for v in values for a in ("-f", str(v))]
+    out = helm(*args, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    objects = render(values)
+    validate_all(objects, tmp_path)
+    check_contracts(objects, merge(VALUES, *[yaml.safe_load(v.read_text()) for v in values]))
+
+
+def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> None:
+    job = one(objects, "RayJob")
+    name = job["metadata"]["name"]
+    files = config_files(objects)
+    training = yaml.safe_load(files["training.yaml"])
+    mount = values["storage"]["mountPath"]
+    spec = cluster_spec(objects)
+    templates = pod_templates(objects)
+
+    # Every object is named and labelled after the experiment.
+    for o in objects:
+        assert o["metadata"]["name"] == name or o["kind"] == "PersistentVolumeClaim" and values["storage"]["existingClaim"]
+        assert o["metadata"]["labels"]["ray-finetune/experiment"] == name
+    assert f"--set experiment.name={name}" in job["spec"]["entrypoint"]
+    assert job["spec"]["entrypoint"].startswith("finetune train /etc/finetune/training.yaml ")
+
+    # The run folder is on the volume, which is mounted at the same path on the head and every worker.
+    assert training["experiment"]["storage_path"] == mount
+    claim = values["storage"]["existingClaim"] or name
+    for role, tpl in templates.items():
+        if role == "submitter":
+            continue
+        c = container(tpl)
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in tpl["spec"]["volumes"]}
+        assert volumes[mounts[mount]["name"]]["persistentVolumeClaim"]["claimName"] == claim, role
+        assert mounts["/etc/finetune"]["readOnly"] is True, role
+        assert volumes[mounts["/etc/finetune"]["name"]]["configMap"]["name"] == name, role
+        shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+        assert shm["medium"] == "Memory" and shm["sizeLimit"], role
+        env = env_of(c)
+        assert env["HF_HOME"].startswith(mount + "/"), role
+        assert tpl["metadata"]["annotations"]["checksum/config"] == templates["head"]["metadata"]["annotations"]["checksum/config"]
+        assert c["image"].endswith(":" + (values["image"]["tag"] or VERSION)), c["image"]
+
+    # The head trains nothing and tells the driver which RayJob to report progress to.
+    assert spec["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    head_env = env_of(container(templates["head"]))
+    assert head_env["FINETUNE_RAYJOB_NAME"] == name
+    assert head_env["FINETUNE_RAYJOB_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    if values["progressReporting"]["rbac"]["create"]:
+        role = one(objects, "Role")
+        assert {"rayjobs"} <= set(role["rules"][0]["resources"]) and {"get", "patch"} <= set(role["rules"][0]["verbs"])
+        assert templates["head"]["spec"]["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
+        binding = one(objects, "RoleBinding")
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert binding["subjects"][0]["name"] == templates["head"]["spec"]["serviceAccountName"]
+        # Ray Train's rank 0 (the progress publisher) runs on a worker pod: workers use the same account.
+        for role, tpl in templates.items():
+            if role.startswith("worker"):
+                assert tpl["spec"]["serviceAccountName"] == templates["head"]["spec"]["serviceAccountName"], role
+
+    # GPUs: requests = limits = Ray's num-gpus; the worker count follows the GPUs.
+    gpus_total = 0
+    for group in spec["workerGroupSpecs"]:
+        res = container(group["template"])["resources"]
+        gv = values["workers"][group["groupName"]]
+        gpu_res = gv.get("gpuResource", "nvidia.com/gpu")
+        assert res["requests"].get(gpu_res) == res["limits"].get(gpu_res) == (gv["gpus"] or None)
+        assert group["rayStartParams"]["num-gpus"] == str(gv["gpus"])
+        gpus_total += gv["gpus"] * group["replicas"] * group["numOfHosts"]
+    if values["training"]["scaling"].get("num_workers") is None:
+        assert f"--set scaling.num_workers={gpus_total} " in job["spec"]["entrypoint"]
+
+    # The checkpoint volume outlives `helm uninstall`.
+    pvcs = by_kind(objects, "PersistentVolumeClaim")
+    if values["storage"]["existingClaim"]:
+        assert not pvcs
+    else:
+        assert pvcs[0]["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert pvcs[0]["spec"]["accessModes"] == values["storage"]["accessModes"]
+
+    # Ray token auth is configured for the cluster; KubeRay hands the token to the submitter.
+    assert spec["authOptions"]["mode"] == values["auth"]["mode"]
+    json.loads(files["ds_config.json"])
+
+
+def test_training_yaml_keeps_floats_floats():
+    """Go writes 1e-07 for small floats, which YAML 1.1 readers (PyYAML, so the app) take for a string;
+    the chart writes 1.0e-07. Checked where no schema type would coerce it back: the deepspeed block."""
+    objects = render(set_json=['training.deepspeed.scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-7, '
+                               '"warmup_max_lr": 0.00002, "warmup_num_steps": 1000000}}',
+                               "training.train.learning_rate=5e-7"])
+    training = yaml.safe_load(config_files(objects)["training.yaml"])
+    assert training["deepspeed"]["scheduler"]["params"] == {
+        "warmup_min_lr": 1e-7, "warmup_max_lr": 2e-5, "warmup_num_steps": 1000000}
+    assert all(isinstance(v, float) for v in training["deepspeed"]["scheduler"]["params"].values() if v < 1)
+    assert training["train"]["learning_rate"] == 5e-7 and training["train"]["adam_eps"] == 1e-8
+    assert isinstance(training["train"]["learning_rate"], float)
+
+
+def test_notes_say_how_to_follow_find_and_resume():
+    out = helm("install", "exp1", str(CHART), "--dry-run=client", "--set", "rayJob.clusterMode=persistent").stdout
+    notes = out.split("NOTES:", 1)[1]
+    for text in ("kubectl -n default get rayjob exp1", "logs -f job/exp1", "port-forward",
+                 "/mnt/cluster_storage/exp1/final/", "helm uninstall exp1", "delete pvc exp1"):
+        assert text in notes, text
+
+
+VARIANTS = {
+    "existing-claim": (["storage.create=false", "storage.existingClaim=team-checkpoints"], {}),
+    "persistent-http": (["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode"], {}),
+    "sidecar-suspended-queue": (["rayJob.submissionMode=SidecarMode", "rayJob.suspend=true",
+                                 "rayJob.queueName=gpu-queue", "rayJob.activeDeadlineSeconds=3600"], {}),
+    "no-rbac-no-auth": (["progressReporting.rbac.create=false", "head.serviceAccountName=ml-runner",
+                         "auth.mode=disabled"], {}),
+    "autoscaling-groups": (["autoscaling.enabled=true", "workers.gpu.maxReplicas=4", "workers.gpu.minReplicas=1"],
+                           {"workers.big": {"replicas": 1, "maxReplicas": 1, "numOfHosts": 2, "gpus": 4,
+                                            "gpuResource": "amd.com/gpu", "image": {"tag": "0.1.0-rocm"}},
+                            "ncclEnv": {"NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": 1},
+                            "huggingface": {"tokenSecret": {"name": "hf", "key": "token"}},
+                            "storage.storageClassName": "nfs-rwx"}),
+}
+
+
+@pytest.mark.parametrize("case", list(VARIANTS))
+def test_variants_render_and_validate(case, tmp_path):
+    sets, json_sets = VARIANTS[case]
+    objects = render(sets=sets, set_json=[f"{k}={json.dumps(v)}" for k, v in json_sets.items()])
+    validate_all(objects, tmp_path)
+    job = one(objects, "RayJob")["spec"]
+    templates = pod_templates(objects)
+    if case == "existing-claim":
+        assert not by_kind(objects, "PersistentVolumeClaim")
+        for role, tpl in templates.items():
+            claims = [v["persistentVolumeClaim"]["claimName"] for v in tpl["spec"].get("volumes", []) if "persistentVolumeClaim" in v]
+            assert claims == ([] if role == "submitter" else ["team-checkpoints"])
+    elif case == "persistent-http":
+        cluster = one(objects, "RayCluster")
+        assert job["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+        assert "rayClusterSpec" not in job and "submitterPodTemplate" not in job
+        assert job["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in job
+    elif case == "sidecar-suspended-queue":
+        assert "submitterPodTemplate" not in job and "submitterConfig" not in job
+        assert job["suspend"] is True and job["activeDeadlineSeconds"] == 3600
+        assert one(objects, "RayJob")["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    elif case == "no-rbac-no-auth":
+        assert not by_kind(objects, "Role") and not by_kind(objects, "ServiceAccount")
+        assert templates["head"]["spec"]["serviceAccountName"] == "ml-runner"
+        assert job["rayClusterSpec"]["authOptions"] == {"mode": "disabled"}
+        for role, tpl in templates.items():
+            assert env_of(container(tpl))["RAY_AUTH_MODE"] == "disabled", role
+    elif case == "autoscaling-groups":
+        spec = job["rayClusterSpec"]
+        assert spec["enableInTreeAutoscaling"] is True
+        groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+        assert (groups["gpu"]["minReplicas"], groups["gpu"]["replicas"], groups["gpu"]["maxReplicas"]) == (1, 2, 4)
+        big = container(groups["big"]["template"])
+        assert big["resources"]["limits"]["amd.com/gpu"] == big["resources"]["requests"]["amd.com/gpu"] == 4
+        assert big["image"].endswith(":0.1.0-rocm") and groups["big"]["rayStartParams"]["num-gpus"] == "4"
+        # Workers follow the GPUs at most: gpu 4 pods x 1 + big 1 x 2 hosts x 4 = 12.
+        assert "--set scaling.num_workers=12 " in job["entrypoint"]
+        env = env_of(container(templates["head"]))
+        assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_IB_DISABLE"] == "1"
+        assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+        assert one(objects, "PersistentVolumeClaim")["spec"]["storageClassName"] == "nfs-rwx"
+
+
+# --- bad values fail helm template, naming the value ------------------------------------------------------
+
+BAD_VALUES = {
+    "wrong-type": ({"training": {"train": {"epochs": "three"}}}, "/training/train/epochs"),
+    "negative-gpus": ({"workers": {"gpu": {"gpus": -1}}}, "/workers/gpu/gpus"),
+    "unknown-training-key": ({"training": {"train": {"epoch": 2}}}, "'epoch' not allowed"),
+    "unknown-chart-key": ({"worker": {"gpu": {"replicas": 2}}}, "'worker' not allowed"),
+    "bad-enum": ({"training": {"train": {"precision": "fp8"}}}, "/training/train/precision"),
+    "name-too-long": ({"training": {"experiment": {"name": "x" * 41}}}, "/training/experiment/name"),
+    "name-not-dns": ({"training": {"experiment": {"name": "GPT2_run"}}}, "/training/experiment/name"),
+    "workers-over-gpus": ({"training": {"scaling": {"num_workers": 5}}}, "training.scaling.num_workers: 5"),
+    "cpus-per-worker": ({"training": {"scaling": {"cpus_per_worker": 12.0}}}, "training.scaling.cpus_per_worker: 12"),
+    "no-gpus": ({"workers": {"gpu": {"gpus": 0}}}, "workers: the worker groups provide no GPUs"),
+    "bf16-and-fp16": ({"training": {"deepspeed": {"bf16": {"enabled": True}, "fp16": {"enabled": True}}}},
+                      "training.deepspeed.bf16.enabled"),
+    "precision-contradiction": ({"training": {"deepspeed": {"bf16": {"enabled": False}, "fp16": {"enabled": True}}}},
+                                "training.deepspeed.fp16.enabled: contradicts training.train.precision=bf16"),
+    "batch-arithmetic": ({"training": {"deepspeed": {"train_batch_size": 8}}}, "training.deepspeed.train_batch_size"),
+    "offload-at-top-level": ({"training": {"deepspeed": {"offload_optimizer": {"device": "cpu"}}}},
+                             "training.deepspeed.offload_optimizer"),
+    "zero-stage": ({"training": {"deepspeed": {"zero_optimization": {"stage": 4}}}},
+                   "training.deepspeed.zero_optimization.stage"),
+    "claim-and-create": ({"storage": {"existingClaim": "shared"}}, "storage.existingClaim"),
+    "no-storage": ({"storage": {"create": False}}, "storage.create"),
+    "storage-path-off-volume": ({"training": {"experiment": {"storage_path": "/data"}}},
+                                "training.experiment.storage_path"),
+    "gpus-in-resources": ({"workers": {"gpu": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
+                          "workers.gpu.resources.limits.nvidia.com/gpu"),
+    "token-in-values": ({"huggingface": {"token": "hf_abc"}}, "'token' not allowed"),
+    "ttl-without-shutdown": ({"rayJob": {"shutdownAfterJobFinishes": False}}, "rayJob.ttlSecondsAfterFinished"),
+    "suspend-persistent": ({"rayJob": {"clusterMode": "persistent", "suspend": True}}, "rayJob.suspend"),
+    "eval-both": ({"training": {"data": {"eval_split": "test", "eval_fraction": 0.1}}}, "training.data"),
+    "bad-quantity": ({"storage": {"size": "lots"}}, "/storage/size"),
+    "bad-nccl-env": ({"ncclEnv": {"DEBUG": "INFO"}}, "ncclEnv.DEBUG"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_bad_values_fail_naming_the_value(case, tmp_path):
+    values, named = BAD_VALUES[case]
+    path = tmp_path / f"{case}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = helm(*template_args([path]), check=False)
+    assert out.returncode != 0, f"{case}: helm template accepted {values}"
+    assert named in out.stderr, out.stderr
+
+
+def test_release_name_as_experiment_name_is_checked():
+    out = helm(*template_args(release="a-release-name-much-longer-than-forty-chars"), check=False)
+    assert out.returncode != 0 and "training.experiment.name: unset, so the release name" in out.stderr
+
+
+# --- ds_config.json = finetune validate --ds-config-only ---------------------------------------------------
+
+DS_CASES = {
+    **{f"example-{p.stem}": ([p], [], []) for p in EXAMPLE_VALUES},
+    "defaults": ([], [], []),
+    "two-groups-arithmetic": ([], ["training.train.micro_batch_size=3", "training.train.gradient_accumulation_steps=5",
+                                   "workers.gpu.replicas=2", "workers.gpu.gpus=4"],
+                              ['workers.extra={"replicas": 1, "gpus": 2}']),
+    "explicit-workers-fp16-stage2": ([], ["training.scaling.num_workers=3", "training.train.precision=fp16",
+                                          "training.train.micro_batch_size=2", "workers.gpu.replicas=4",
+                                          "training.deepspeed.zero_optimization.stage=2"], []),
+    "fp32-optimizer-autos": ([], ["training.train.precision=fp32", "training.train.gradient_accumulation_steps=4",
+                                  "training.deepspeed.train_batch_size=8"],
+                             ['training.deepspeed.optimizer={"type": "AdamW", "params": {"lr": "auto", '
+                              '"betas": "auto", "eps": "auto", "weight_decay": "auto"}}',
+                              "training.train.learning_rate=0.0003", "training.train.weight_decay=0.01",
+                              "training.deepspeed.grad_accum_dtype=\"auto\""]),
+    "cpu-workers": ([], ["training.scaling.use_gpu=false", "workers.gpu.gpus=0", "workers.gpu.replicas=3",
+                         "training.deepspeed.zero_optimization.stage=1"], []),
+}
+
+
+def test_ds_config_equals_finetune_validate(tmp_path):
+    """For each value set: the ConfigMap's training.yaml, with the entrypoint's --set arguments, through the
+    real `finetune validate --ds-config-only` (model config not readable offline) prints the ConfigMap's
+    ds_config.json. One Python process runs the CLI for every case."""
+    cases, expected = [], {}
+    for case, (values, sets, set_json) in DS_CASES.items():
+        objects = render(values, sets, set_json)
+        files = config_files(objects)
+        config = tmp_path / f"{case}.yaml"
+        config.write_text(files["training.yaml"])
+        entry = one(objects, "RayJob")["spec"]["entrypoint"].split()
+        assert entry[:3] == ["finetune", "train", "/etc/finetune/training.yaml"]
+        argv = ["validate", str(config), *entry[3:], "--set", f"experiment.storage_path={tmp_path}", "--ds-config-only"]
+        cases.append((case, argv))
+        expected[case] = json.loads(files["ds_config.json"])
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from app.cli import main\n"
+        "out = {}\n"
+        "for case, argv in json.loads(sys.argv[1]):\n"
+        "    buf = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(buf):\n"
+        "        rc = main(argv)\n"
+        "    out[case] = [rc, buf.getvalue()]\n"
+        "print('RESULT' + json.dumps(out))\n"
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for case, _ in cases:
+        rc, printed = results[case]
+        assert rc == 0, f"{case}: finetune validate failed:\n{proc.stderr[-3000:]}"
+        assert json.loads(printed) == expected[case], f"{case}:\napp:   {printed}\nchart: {json.dumps(expected[case])}"
+    # The arithmetic the template does: micro x accumulation x workers.
+    assert expected["two-groups-arithmetic"]["train_batch_size"] == 3 * 5 * (2 * 4 + 2)
+    assert expected["explicit-workers-fp16-stage2"]["train_batch_size"] == 2 * 1 * 3
+    assert "stage3_prefetch_bucket_size" not in expected["explicit-workers-fp16-stage2"]["zero_optimization"]
+    assert expected["explicit-workers-fp16-stage2"]["grad_accum_dtype"] == "fp16"
+    assert expected["cpu-workers"]["train_batch_size"] == 3
+
+
+# --- helpers ------------------------------------------------------------------------------------------------
+
+
+def merge(base: dict[str, Any], *tops: dict[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing of values files (maps merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for top in tops:
+        for key, value in (top or {}).items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merge(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+    return out
