@@ -86,7 +86,14 @@ class ExperimentConfig(Section):
     def _non_empty(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must be a folder path")
-        return v
+        return _usable_path(v)
+
+
+def _usable_path(v: str | None) -> str | None:
+    """Reject what no file system accepts (NUL bytes, over-long names) before anything touches the path."""
+    if v is not None and ("\x00" in v or len(v) > 4096 or any(len(part.encode()) > 255 for part in v.split("/"))):
+        raise ValueError("is not a usable path or name (NUL byte, a component over 255 bytes or over 4096 in all)")
+    return v
 
 
 class ModelConfig(Section):
@@ -103,6 +110,11 @@ class ModelConfig(Section):
     liger_kernels: bool = Field(
         False, description="Patch supported models with Liger's fused kernels (needs liger-kernel and a GPU)."
     )
+
+    @field_validator("name_or_path", "tokenizer")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return _usable_path(v)
 
 
 class DataConfig(Section):
@@ -125,6 +137,11 @@ class DataConfig(Section):
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by train.seed, resumable).")
     num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (null: up to 8, by CPUs).")
     loader_workers: int = Field(1, ge=0, description="DataLoader worker processes per training worker.")
+
+    @field_validator("dataset")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _usable_path(v)
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataConfig:
@@ -283,6 +300,9 @@ def parse(doc: dict[str, Any]) -> TrainingConfig:
         return TrainingConfig.model_validate(doc)
     except ValidationError as exc:
         raise ConfigError([_problem_from_pydantic(err) for err in exc.errors()]) from None
+    except (ValueError, RecursionError) as exc:  # e.g. a YAML anchor that contains itself
+        raise ConfigError([Problem("CONFIG", type(exc).__name__, f"cannot be validated: {exc}",
+                                   "remove self-referencing YAML anchors (&a ... *a)")]) from None
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

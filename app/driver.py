@@ -7,6 +7,7 @@ RayJob's entrypoint runs this on the head and Ray connects to the cluster.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import tempfile
@@ -29,11 +30,14 @@ def storage_problems(storage_path: str) -> list[Problem]:
     """Is the storage path (or its nearest existing parent) a writable folder? Leaves nothing behind."""
     path = Path(storage_path).expanduser()
     probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
     field = "experiment.storage_path"
+    try:
+        while not probe.exists():
+            if probe.parent == probe:
+                break
+            probe = probe.parent
+    except OSError as exc:
+        return [Problem(field, storage_path, f"is not a usable path ({exc.strerror})", "use a shorter folder path")]
     if not probe.is_dir():
         return [Problem(field, storage_path, f"{probe} is not a folder", "point it at a folder (a mounted volume on Kubernetes)")]
     try:
@@ -67,25 +71,72 @@ def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[int | None, list[Pr
 
 
 def resume_problems(cfg: TrainingConfig) -> list[Problem]:
-    """A resume must run with the world size its checkpoints were written with (DeepSpeed shards per rank)."""
+    """A resume on another number of workers keeps the global batch by changing gradient accumulation (the
+    run converts the checkpoint to DeepSpeed's universal format once, at start); where it cannot, say why."""
     from app import checkpoint
 
-    latest = checkpoint.latest_complete(cfg.experiment_dir)
+    latest = checkpoint.newest_usable(cfg.experiment_dir)
     if latest is None:
         return []
-    saved = checkpoint.read_state(latest).get("world_size")
-    if saved and saved != cfg.scaling.num_workers:
-        return [Problem("scaling.num_workers", cfg.scaling.num_workers,
-                        f"the experiment's last checkpoint ({latest.name}) was written by {saved} workers, and "
-                        "resuming on another number of workers is not supported yet",
-                        f"set scaling.num_workers={saved} (and GPUs to match), or start a new experiment name")]
+    try:
+        state = checkpoint.read_state(latest)
+    except (OSError, ValueError):
+        return []  # judged again, with fallbacks, when the run starts
+    saved, workers, t = state.get("world_size"), cfg.scaling.num_workers, cfg.train
+    if not saved or saved == workers:
+        return []
+    field, where = "scaling.num_workers", f"the experiment's last checkpoint ({latest.name}) was written by {saved} workers"
+    if cfg.zero_stage == 0:
+        return [Problem(field, workers, f"{where}; resuming on another number of workers needs ZeRO stage 1, 2 or 3 "
+                        "(DeepSpeed's universal checkpoint)", f"set scaling.num_workers={saved}, or start a new experiment name")]
+    mb, gas = state.get("micro_batch_size", t.micro_batch_size), state.get("gradient_accumulation_steps", 1)
+    global_batch = mb * gas * saved
+    if global_batch % (t.micro_batch_size * workers):
+        return [Problem(field, workers,
+                        f"{where} with a global batch of {global_batch} sequences ({mb} x {gas} accumulation x {saved}); "
+                        f"{workers} workers x micro_batch_size {t.micro_batch_size} cannot keep it ({global_batch} is not "
+                        "a multiple of their product), and a mid-run resume needs the same global batch",
+                        f"use a number of workers that divides {global_batch // t.micro_batch_size}, set "
+                        f"train.micro_batch_size to keep {global_batch} sequences per step, or start a new experiment name")]
+    new_gas = global_batch // (t.micro_batch_size * workers)
+    batch = (f"train.gradient_accumulation_steps {t.gradient_accumulation_steps} -> {new_gas} keeps the global batch of "
+             f"{global_batch} sequences" if new_gas != t.gradient_accumulation_steps else
+             f"the global batch stays {global_batch} sequences")
+    log.warning(f"{where}, this run has {workers}: {batch}; the checkpoint is converted to DeepSpeed's universal "
+                "checkpoint format (once) when the run starts")
+    t.gradient_accumulation_steps = new_gas
     return []
+
+
+def deepspeed_shape_problems(cfg: TrainingConfig) -> list[Problem]:
+    """The pass-through deepspeed block must be plain JSON (it becomes DeepSpeed's config file), and the sections
+    that the builder fills must be mappings."""
+    try:
+        json.dumps(cfg.model_dump(mode="json"), ensure_ascii=False).encode()
+        json.dumps(cfg.deepspeed, allow_nan=True)
+    except (TypeError, ValueError) as exc:  # a date, bytes, a lone surrogate, a YAML anchor that contains itself
+        return [Problem("CONFIG", "...", f"is not plain text and JSON data: {exc}",
+                        "use only mappings, lists, UTF-8 strings, numbers, booleans and null (quote dates)")]
+    problems = []
+    for key in ("optimizer", "scheduler"):
+        section = cfg.deepspeed.get(key)
+        if key in cfg.deepspeed and not isinstance(section, dict):
+            problems.append(Problem(f"deepspeed.{key}", section, "must be a mapping with 'type' and 'params'",
+                                    "see DeepSpeed's config docs, or remove it to use the app's AdamW"))
+        elif isinstance(section, dict) and not isinstance(section.get("params", {}), dict):
+            problems.append(Problem(f"deepspeed.{key}.params", section["params"], "must be a mapping",
+                                    "write params as key: value pairs"))
+    return problems
 
 
 def check(cfg: TrainingConfig, offline: bool = True) -> tuple[dict[str, Any], str | None]:
     """Every check that can run before the workers start; raises ConfigError with all problems found."""
-    problems = ds_config.check(cfg) + data.check_source(cfg.data) + storage_problems(cfg.experiment.storage_path)
-    problems += resume_problems(cfg)
+    problems = resume_problems(cfg)  # first: a changed number of workers may change gradient accumulation
+    problems += ds_config.check(cfg) + deepspeed_shape_problems(cfg) + storage_problems(cfg.experiment.storage_path)
+    try:
+        problems += data.check_source(cfg.data)
+    except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
+        problems.append(Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files"))
     hidden, model_problems, note = model_facts(cfg, offline)
     problems += model_problems
     if problems:
@@ -104,6 +155,10 @@ def run(cfg: TrainingConfig, ds: dict[str, Any]):
     """Run (or resume) the experiment under its lease; returns Ray's Result."""
     # Nothing is written to the experiment folder before this run holds its lease.
     with Lease(cfg.experiment_dir, cfg.experiment.lease_timeout_s).acquire(wait=cfg.experiment.on_conflict == "wait"):
+        from app.checkpoint import repair_ray_snapshot
+
+        for warning in repair_ray_snapshot(cfg.experiment_dir):
+            log.warning(f"WARNING: {warning}")
         return _fit(cfg, ds)
 
 
@@ -137,4 +192,19 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
             worker_runtime_env={"env_vars": env},
         ),
     )
-    return trainer.fit()
+    try:
+        return trainer.fit()
+    except Exception as exc:
+        # Ray's message starts with "Training failed due to worker errors"; put the app's own explanation of a
+        # checkpoint failure (full or read-only volume, unusable checkpoints) first, where the CLI shows it.
+        from app.checkpoint import CheckpointError
+
+        for rank, failure in sorted((getattr(exc, "worker_failures", None) or {}).items()):
+            cause = failure
+            for _ in range(8):  # the worker's exception, possibly wrapped by Ray
+                if cause is None or isinstance(cause, CheckpointError):
+                    break
+                cause = cause.__cause__ or getattr(cause, "cause", None)
+            if cause is not None:
+                raise RuntimeError(f"{cause} [rank {rank}]") from exc
+        raise

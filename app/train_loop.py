@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, data
+from app import checkpoint, data, faults
 from app.config import TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, load_model, load_tokenizer
@@ -59,14 +58,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                                            lr_scheduler=lambda opt: build_scheduler(opt, t, total_steps))
     device = engine.device
 
-    # Resume: the last checkpoint Ray registered for this experiment name, at the exact batch.
-    position = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
-    resumed = ray.train.get_checkpoint()
-    if resumed:
-        position = checkpoint.restore(engine, Path(resumed.path), rank, world)
-        log.info(f"resumed from {resumed.path} at global step {position['global_step']} "
-                 f"(epoch {position['epoch']}, step {position['step_in_epoch']} of the epoch)")
-    else:
+    # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
+    # the newest older complete one), at the exact batch.
+    position = checkpoint.resume(engine, ray.train.get_checkpoint(), run_dir, rank, world)
+    if position["global_step"] == 0:
         log.info(f"starting {cfg.experiment.name} from scratch: {total_steps} steps")
     step = position["global_step"]
 
@@ -138,6 +133,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                     save(epoch + 1, 0, last)
                 else:
                     save(epoch, step_in_epoch, last)
+            faults.maybe_kill(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_KILL_AT_STEP
             if stop:
                 break
 

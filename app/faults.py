@@ -1,0 +1,88 @@
+"""Test-only fault hooks, off unless their environment variable is set (reliability drills and tests).
+
+FINETUNE_FAULT_KILL_AT_STEP=N
+    After global step N (its logging and checkpoint done), the last rank SIGKILLs its own process, once per
+    experiment (a marker file in the experiment folder remembers it), as a crashed or OOM-killed worker would.
+FINETUNE_FAULT_SAVE_PAUSE=PHASE:SECONDS[:STEP]
+    Pause one rank for SECONDS at PHASE of a checkpoint save (every save, or only that of global STEP), after
+    writing `<experiment>/.fault-paused-PHASE-STEP`, so that a test can kill the run, fill the volume or make it
+    read-only at a known moment; the pause ends early once `<experiment>/.fault-continue-PHASE-STEP` exists:
+      before_shards  rank 0, the folder exists and no shard has been written
+      mid_shards     the last rank, after rank 0 wrote all its shards and before this rank's optimizer shard
+      before_state   rank 0, every shard written, trainer_state.json (the completion mark) not yet
+      before_report  rank 0, the checkpoint is complete on disk but not yet reported to (registered by) Ray
+
+Both variables travel to the workers (driver.PASSTHROUGH_PREFIXES), on a cluster too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+log = logging.getLogger("finetune")
+KILL_AT_STEP = "FINETUNE_FAULT_KILL_AT_STEP"
+SAVE_PAUSE = "FINETUNE_FAULT_SAVE_PAUSE"
+PHASES = ("before_shards", "mid_shards", "before_state", "before_report")
+
+
+def maybe_kill(step: int, rank: int, world: int, run_dir: Path) -> None:
+    at = os.environ.get(KILL_AT_STEP)
+    if not at or int(at) != step or rank != world - 1:
+        return
+    try:
+        os.close(os.open(Path(run_dir) / f".fault-killed-step-{step}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # killed once already: the restarted attempt runs through
+    log.warning(f"FAULT INJECTION: rank {rank} (pid {os.getpid()}) kills itself with SIGKILL after step {step}")
+    logging.shutdown()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause_spec() -> tuple[str, float, int | None] | None:
+    spec = os.environ.get(SAVE_PAUSE)
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if parts[0] not in PHASES:
+        raise ValueError(f"{SAVE_PAUSE}={spec}: the phase must be one of {', '.join(PHASES)}")
+    return parts[0], float(parts[1]), int(parts[2]) if len(parts) > 2 and parts[2] else None
+
+
+def pause_rank(phase: str, world: int) -> int:
+    return world - 1 if phase == "mid_shards" else 0
+
+
+def maybe_pause(phase: str, step: int, rank: int, world: int, run_dir: Path) -> None:
+    spec = _pause_spec()
+    if not spec or spec[0] != phase or rank != pause_rank(phase, world) or spec[2] not in (None, step):
+        return
+    (Path(run_dir) / f".fault-paused-{phase}-{step}").write_text(f"{os.getpid()}\n")
+    log.warning(f"FAULT INJECTION: rank {rank} pauses {spec[1]:.0f}s at {phase} of the step-{step} save")
+    go_on, deadline = Path(run_dir) / f".fault-continue-{phase}-{step}", time.monotonic() + spec[1]
+    while time.monotonic() < deadline and not go_on.exists():
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def pausing_engine(engine, step: int, rank: int, world: int, run_dir: Path):
+    """For mid_shards: pause inside DeepSpeed's save, after this rank's model shard, before its optimizer shard."""
+    spec = _pause_spec()
+    if not spec or spec[0] != "mid_shards" or rank != pause_rank("mid_shards", world):
+        yield
+        return
+    original = engine._save_zero_checkpoint
+
+    def paused(save_dir, tag):
+        maybe_pause("mid_shards", step, rank, world, run_dir)
+        return original(save_dir, tag)
+
+    engine._save_zero_checkpoint = paused
+    try:
+        yield
+    finally:
+        del engine._save_zero_checkpoint
