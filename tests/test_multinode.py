@@ -62,6 +62,7 @@ def wait_for_cpus(address: str, cpus: int, env: dict, nodes: list[Node]) -> None
         time.sleep(2)
 
 
+@pytest.mark.slow  # three raylets on a 2-core CI machine: about 2 minutes, and sensitive to a loaded host
 def test_two_nodes_checkpoint_then_resume_on_one(tiny_model, tmp_path):
     # Token auth on, as the chart's RayCluster has it (KubeRay injects these into every Ray container).
     env = {**os.environ, **CLI_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
