@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +59,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path
     full_env = {**os.environ, **CLI_ENV, **(env or {})}
     return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Per-step training loss from metrics.jsonl; where a step was logged twice (redone after a failure), the
+    last one counts."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "train":
+            out[rec["step"]] = rec["loss"]
+    return out

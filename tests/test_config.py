@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from app.cli import main
-from app.config import load, parse, tutorial_ds_config
+from app.config import load, parse
 from app import ds_config
 from conftest import run_cli
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.progress import ANNOTATION, FIELDS, ProgressPublisher
-from conftest import REPO, run_cli, tiny_overrides
+from conftest import run_cli, tiny_overrides
 from fake_k8s import FakeKube
 from test_ops import NS, rayjob
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_ENV, REPO, run_cli, tiny_overrides
+from conftest import CLI_ENV, REPO, losses, run_cli, tiny_overrides
 
 # 8 steps: checkpoints at 2, 4 (end of epoch 0), 6 and 8. A short lease timeout lets a redeploy after a kill take
 # over the dead run's lease within seconds (the default is 120 s).
@@ -32,16 +32,6 @@ EXACT = 1e-6  # resumed losses vs the uninterrupted run's (they are in fact bit-
 
 
 # --- helpers ------------------------------------------------------------------------------------------------
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Per-step training loss; where a step was logged twice (redone after a failure), the last one counts."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["kind"] == "train":
-            out[rec["step"]] = rec["loss"]
-    return out
 
 
 def train(storage: Path, name: str, model: Path, env: dict | None = None, expect: int = 0, **sets) -> str:

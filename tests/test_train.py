@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_cli, tiny_overrides
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec["kind"] == "train":
-            out[rec["step"]] = rec["loss"]
-    return out
+from conftest import losses, run_cli, tiny_overrides
 
 
 def train(storage: Path, name: str, model: Path, **extra) -> str:
