@@ -377,6 +377,7 @@ def resume(engine, registered, run_dir: Path, rank: int, world: int) -> dict[str
     if chosen is None:
         return {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     position = restore(engine, Path(chosen), rank, world)
+    position["resumed_from"] = str(chosen)
     s = position["global_step"]
     if last_step is not None and last_step > s:
         redone = f"steps {s + 1}..{last_step} ({last_step - s}) that the previous attempt had done are redone"

@@ -36,12 +36,16 @@ def _local_files(spec: str) -> list[str]:
     return sorted(glob.glob(os.path.expanduser(spec)))
 
 
+def _saved_dataset(path: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
+    return path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())
+
+
 def check_source(cfg: DataConfig) -> list[Problem]:
     """What can be checked about the data source before any worker starts."""
     if not is_local(cfg.dataset):
         return []  # a hub name: only the run can reach the hub
-    path = Path(os.path.expanduser(cfg.dataset))
-    if path.is_dir() and (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+    if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
         return []
     files = _local_files(cfg.dataset)
     if not files:
@@ -57,7 +61,7 @@ def load_split(cfg: DataConfig, split: str):
 
     if is_local(cfg.dataset):
         path = Path(os.path.expanduser(cfg.dataset))
-        if path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+        if _saved_dataset(path):
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
                 name, _, rest = split.partition("[")

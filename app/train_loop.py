@@ -14,7 +14,7 @@ import torch.distributed as dist
 from app import checkpoint, data, faults
 from app.config import TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
-from app.model import build_optimizer, build_scheduler, load_model, load_tokenizer
+from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
 from app.ds_config import optimizer_offloaded
 
 log = logging.getLogger("finetune")
@@ -68,9 +68,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     mc = model.config
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
-    hidden = getattr(mc, "hidden_size", None) or getattr(mc, "n_embd", 0)
-    metrics = MetricsLogger(run_dir, total_steps, step, flops_per_token(n_params, layers, hidden, cfg.data.seq_length),
-                            world, position.get("path")) if rank == 0 else None
+    metrics = MetricsLogger(run_dir, total_steps, step, flops_per_token(n_params, layers, hidden_size(mc) or 0, cfg.data.seq_length),
+                            world, position.get("resumed_from")) if rank == 0 else None
 
     def save(epoch: int, step_in_epoch: int, extra: dict[str, Any]) -> None:
         state = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": step, "world_size": world,
