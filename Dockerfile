@@ -62,9 +62,11 @@ RUN DS_ACCELERATOR=cuda DS_BUILD_OPS=0 DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1
  && ds="$(python -c 'import importlib.util as u; print(u.find_spec("deepspeed").submodule_search_locations[0])')" \
  && ls "$ds"/ops/adam/cpu_adam_op*.so "$ds"/ops/adam/fused_adam_op*.so
 
-# 3. The project's runtime dependencies from pyproject.toml, pinned by the lock (dev tools stay out).
+# 3. The project's runtime dependencies from pyproject.toml, pinned by the lock (dev tools stay out), and its
+#    `gpu` extra (Liger's Triton kernels; triton itself came with torch's CUDA build in step 1).
 #    Packages that the base image already has are moved to the locked versions where the project uses them.
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" \
         > /tmp/requirements.txt \
  && pip install --no-cache-dir -c requirements.lock -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt

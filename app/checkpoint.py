@@ -376,8 +376,10 @@ def resume(engine, registered, run_dir: Path, rank: int, world: int) -> dict[str
         dist.barrier()
     if chosen is None:
         return {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
+    started = time.perf_counter()
     position = restore(engine, Path(chosen), rank, world)
     position["resumed_from"] = str(chosen)
+    position["load_s"] = round(time.perf_counter() - started, 2)
     s = position["global_step"]
     if last_step is not None and last_step > s:
         redone = f"steps {s + 1}..{last_step} ({last_step - s}) that the previous attempt had done are redone"
@@ -385,7 +387,7 @@ def resume(engine, registered, run_dir: Path, rank: int, world: int) -> dict[str
         redone = "no step is redone"
     source = "registered by Ray" if registered and Path(registered.path) == Path(chosen) else "fallback"
     log.info(f"resumed from {chosen} ({source}) at global step {s} (epoch {position['epoch']}, "
-             f"step {position['step_in_epoch']} of the epoch); {redone}")
+             f"step {position['step_in_epoch']} of the epoch), loaded in {position['load_s']:.1f}s; {redone}")
     return position
 
 

@@ -107,8 +107,16 @@ class ModelConfig(Section):
         None, ge=0, le=1, description="Override every dropout probability of the model config (null: keep)."
     )
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless you trust it).")
-    liger_kernels: bool = Field(
-        False, description="Patch supported models with Liger's fused kernels (needs liger-kernel and a GPU)."
+    liger_kernels: bool | Literal["auto"] = Field(
+        "auto",
+        description="Patch supported models (Llama, Mistral, Qwen, Gemma, ...) with Liger's fused kernels: "
+        "RMSNorm, SwiGLU, RoPE and a cross-entropy that never materialises the logits. auto: on GPUs when "
+        "liger-kernel is installed (it is in the image); true: required; false: off.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile the model through DeepSpeed's engine.compile() (DeepCompile when the "
+        "deepspeed block sets compile.deepcompile: true). Costs compile time at start.",
     )
 
     @field_validator("name_or_path", "tokenizer")
@@ -214,6 +222,8 @@ def tutorial_ds_config() -> dict[str, Any]:
             "reduce_bucket_size": "auto",
             "stage3_prefetch_bucket_size": "auto",
             "stage3_param_persistence_threshold": "auto",
+            # Not the tutorial's: ZeRO-3 fetches each decoder layer whole (see app.ds_config).
+            "leaf_module": {"classes": "auto"},
         },
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,

@@ -17,7 +17,7 @@ from typing import Any
 from app import data, ds_config
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
-from app.model import check_seq_length, hidden_size, load_model_config, model_source
+from app.model import check_seq_length, load_model_config, model_source
 
 log = logging.getLogger("finetune")
 
@@ -50,8 +50,9 @@ def storage_problems(storage_path: str) -> list[Problem]:
     return []
 
 
-def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[int | None, list[Problem], str | None]:
-    """Hidden size and context checks from the model config; (hidden, problems, note when unreadable)."""
+def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[dict[str, Any], list[Problem], str | None]:
+    """What the DeepSpeed config's "auto" values need from the model config (ds_config.build's keyword
+    arguments; empty when it cannot be read now), its context check, and a note when it cannot be read."""
     source, _ = model_source(cfg.model.name_or_path)
     local = data.is_local(source)
     try:
@@ -63,11 +64,24 @@ def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[int | None, list[Pr
             mc = load_model_config(cfg.model)
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot read it now"
         if local:
-            return None, [Problem("model.name_or_path", cfg.model.name_or_path, f"not a model folder ({type(exc).__name__})",
-                                  "point it at a from_pretrained folder")], None
-        return None, [], (f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
-                          "hidden-size 'auto' values are checked at run start")
-    return hidden_size(mc), check_seq_length(cfg.data.seq_length, mc), None
+            return {}, [Problem("model.name_or_path", cfg.model.name_or_path, f"not a model folder ({type(exc).__name__})",
+                                "point it at a from_pretrained folder")], None
+        return {}, [], (f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
+                          "model-shape 'auto' values are checked at run start")
+    return ds_config.model_facts(cfg, mc), check_seq_length(cfg.data.seq_length, mc), None
+
+
+def compile_problems(cfg: TrainingConfig) -> list[Problem]:
+    """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks.md, run C):
+    refuse it here rather than after the cluster and the model are up."""
+    zero = cfg.deepspeed.get("zero_optimization")
+    stage3 = isinstance(zero, dict) and zero.get("stage") == 3
+    liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
+    if cfg.model.compile and liger and stage3:
+        return [Problem("model.compile", True, "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
+                        "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
+                        "set model.compile=false (the default), or model.liger_kernels=false")]
+    return []
 
 
 def resume_problems(cfg: TrainingConfig) -> list[Problem]:
@@ -137,11 +151,11 @@ def check(cfg: TrainingConfig, offline: bool = True) -> tuple[dict[str, Any], st
         problems += data.check_source(cfg.data)
     except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
         problems.append(Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files"))
-    hidden, model_problems, note = model_facts(cfg, offline)
-    problems += model_problems
+    facts, model_problems, note = model_facts(cfg, offline)
+    problems += model_problems + compile_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    return ds_config.build(cfg, hidden), note
+    return ds_config.build(cfg, **facts), note
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:

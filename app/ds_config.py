@@ -1,7 +1,8 @@
 """The DeepSpeed config builder: fills "auto" values the way the Hugging Face integration does.
 
 The `deepspeed` section is passed through unchanged except for "auto" values, which come from the other
-sections (batch sizes, clipping, precision) and from the model's hidden size (ZeRO-3 bucket sizes), and
+sections (batch sizes, clipping, precision), from the model's hidden size (ZeRO-3 bucket sizes) and from its
+layer class (`zero_optimization.leaf_module.classes`: ZeRO-3 fetches each decoder layer whole), and
 the mistakes DeepSpeed would silently accept (offload keys at the top level) are rejected here.
 """
 
@@ -54,6 +55,18 @@ def check(cfg: TrainingConfig) -> list[Problem]:
                 "raise deepspeed.zero_optimization.stage or remove offload_optimizer",
             )
         )
+    leaf = zero.get("leaf_module")
+    if leaf is not None:
+        fix = "write e.g. leaf_module: {classes: auto} or {classes: [LlamaDecoderLayer]}, or remove it"
+        if not isinstance(leaf, dict):
+            problems.append(Problem("deepspeed.zero_optimization.leaf_module", leaf, "must be a mapping", fix))
+        else:
+            for key, value in leaf.items():
+                listed = isinstance(value, (str, list)) and all(isinstance(v, str) for v in (value if isinstance(value, list) else [value]))
+                if key not in ("classes", "names", "name_suffixes") or not listed or (value == AUTO and key != "classes"):
+                    problems.append(Problem(f"deepspeed.zero_optimization.leaf_module.{key}", value,
+                                            "DeepSpeed takes classes, names or name_suffixes, each a list of names "
+                                            "('auto' only for classes)", fix))
     wanted = {"bf16": cfg.train.precision == "bf16", "fp16": cfg.train.precision == "fp16"}
     enabled = {}
     for key in ("bf16", "fp16"):
@@ -107,8 +120,22 @@ def optimizer_offloaded(cfg: TrainingConfig) -> bool:
     return _offload_device(cfg.deepspeed.get("zero_optimization", {}).get("offload_optimizer"))
 
 
-def build(cfg: TrainingConfig, hidden_size: int | None, world_size: int | None = None) -> dict[str, Any]:
-    """The final DeepSpeed config: the user's block with every "auto" filled."""
+def model_facts(cfg: TrainingConfig, model_config) -> dict[str, Any]:
+    """What `build` needs from a transformers model config, as its keyword arguments."""
+    from app.model import hidden_size, zero3_leaf_layers
+
+    zero = cfg.deepspeed.get("zero_optimization")
+    leaf = zero.get("leaf_module") if isinstance(zero, dict) else None
+    wanted = isinstance(leaf, dict) and leaf.get("classes") == AUTO and zero.get("stage") == 3
+    classes, params = zero3_leaf_layers(model_config, cfg.model.trust_remote_code) if wanted else ([], 0)
+    return {"hidden_size": hidden_size(model_config), "layer_classes": classes, "layer_params": params}
+
+
+def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int | None = None,
+          layer_classes: list[str] | None = None, layer_params: int = 0) -> dict[str, Any]:
+    """The final DeepSpeed config: the user's block with every "auto" filled. `hidden_size`, `layer_classes`
+    and `layer_params` come from the model config (`model_facts`); None when it cannot be read yet (validate
+    offline), and then the values derived from them stay "auto" until the run starts."""
     problems = check(cfg)
     if problems:
         raise ConfigError(problems)
@@ -134,20 +161,36 @@ def build(cfg: TrainingConfig, hidden_size: int | None, world_size: int | None =
         ds["grad_accum_dtype"] = "fp32" if t.precision == "fp32" else "fp16"
     zero = ds.setdefault("zero_optimization", {})
     h = hidden_size or 0
+    leaf = zero.get("leaf_module")
+    auto_leaf = isinstance(leaf, dict) and leaf.get("classes") == AUTO
+    whole_layers = auto_leaf and bool(layer_classes)
+    # Hugging Face's rules from the hidden size; with whole decoder layers fetched, the prefetch bucket holds at
+    # least one layer: DeepSpeed prefetches whole parameters up to the bucket, so a bucket smaller than a layer
+    # fetches nothing ahead, and one layer's worth lets the next layer's all-gather overlap this layer's compute.
+    prefetch = max(int(0.9 * h * h), layer_params if whole_layers else 0)
     derived = {
         "reduce_bucket_size": h * h,
-        "stage3_prefetch_bucket_size": int(0.9 * h * h),
-        "prefetch_bucket_size": int(0.9 * h * h),
+        "stage3_prefetch_bucket_size": prefetch,
+        "prefetch_bucket_size": prefetch,
         "stage3_param_persistence_threshold": 10 * h,
         "param_persistence_threshold": 10 * h,
     }
     for key, value in derived.items():
         if zero.get(key) == AUTO and hidden_size:
             zero[key] = value
+    if auto_leaf and layer_classes is not None:
+        if layer_classes:
+            leaf["classes"] = list(layer_classes)
+        else:
+            leaf.pop("classes")  # DeepSpeed's own defaults (its MoE blocks)
     if zero.get("stage", 0) < 3:
         # Stage-3-only knobs make DeepSpeed warn on lower stages; they mean nothing there.
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             zero.pop(key, None)
+        if auto_leaf:
+            leaf.pop("classes", None)
+    if leaf == {}:
+        del zero["leaf_module"]
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
         for key, value in {
@@ -158,8 +201,10 @@ def build(cfg: TrainingConfig, hidden_size: int | None, world_size: int | None =
         }.items():
             if params.get(key) == AUTO:
                 params[key] = value
-    # Without the model (validate before it is downloaded) the hidden-size values stay "auto" until run start.
-    leftover = [p for p in _find_auto(ds) if hidden_size or p.removeprefix("zero_optimization.") not in derived]
+    # Without the model (validate before it is downloaded) the model-shape values stay "auto" until run start.
+    model_derived = [*derived, "leaf_module.classes"]
+    leftover = [p for p in _find_auto(ds)
+                if (hidden_size and layer_classes is not None) or p.removeprefix("zero_optimization.") not in model_derived]
     if leftover:
         raise ConfigError(
             [Problem(f"deepspeed.{path}", AUTO, "no rule fills this 'auto' value", "set a concrete value") for path in leftover]

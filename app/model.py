@@ -34,6 +34,29 @@ def hidden_size(model_config) -> int | None:
     return getattr(model_config, "hidden_size", None) or getattr(model_config, "n_embd", None)
 
 
+# DeepSpeed's own cap on the size of a ZeRO-3 leaf module (one that is fetched whole).
+MAX_LEAF_PARAMS = 1_000_000_000
+
+
+def zero3_leaf_layers(model_config, trust_remote_code: bool = False) -> tuple[list[str], int]:
+    """The model's repeated decoder layer (transformers' `_no_split_modules`, e.g. LlamaDecoderLayer), for
+    DeepSpeed's ZeRO-3 leaf modules: parameters are fetched once per layer instead of once per linear layer,
+    which removes most of ZeRO-3's per-module hook overhead. Returns (class names, parameters of the largest
+    such layer); ([], 0) when the model names no layer class or a layer holds more than DeepSpeed's leaf cap
+    (a huge MoE layer is better fetched piece by piece). Counted on the meta device: nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - an architecture transformers cannot build: no leaf modules
+        return [], 0
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    sizes = {type(m).__name__: sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names}
+    fit = {name: size for name, size in sizes.items() if 0 < size <= MAX_LEAF_PARAMS}
+    return sorted(fit), max(fit.values(), default=0)
+
+
 def context_length(model_config) -> int | None:
     for attr in ("max_position_embeddings", "n_positions", "seq_length"):
         value = getattr(model_config, attr, None)
@@ -85,19 +108,36 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any]):
             **overrides,
         )
     del keep_alive
-    if cfg.liger_kernels:
-        _apply_liger(model)
+    liger = use_liger(cfg)
+    if liger:
+        _apply_liger(model, required=cfg.liger_kernels is True)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
 
 
-def _apply_liger(model) -> None:
+def use_liger(cfg: ModelConfig) -> bool:
+    """Whether to patch in Liger's kernels: "auto" means on a GPU with liger-kernel installed."""
+    if cfg.liger_kernels != "auto":
+        return cfg.liger_kernels
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+
+
+def _apply_liger(model, required: bool) -> None:
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as exc:
         raise Problem("model.liger_kernels", True, f"liger-kernel is not importable ({exc})", "pip install liger-kernel, or set it false") from None
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        if required:
+            raise Problem("model.liger_kernels", True, f"Liger has no kernels for model type {model_type!r}",
+                          "set model.liger_kernels to auto or false")
+        return
     _apply_liger_kernel_to_instance(model=model)
 
 

@@ -51,12 +51,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                          f"{t.micro_batch_size} x {t.gradient_accumulation_steps}: use more data or smaller batches")
 
     # Model and DeepSpeed engine.
+    started = time.perf_counter()
     model = load_model(cfg.model, ds_config)
     optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, optimizer_offloaded(cfg))
     # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            lr_scheduler=lambda opt: build_scheduler(opt, t, total_steps))
+    if cfg.model.compile:
+        engine.compile()  # compiles lazily, at the first forward pass
     device = engine.device
+    log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
 
     # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
     # the newest older complete one), at the exact batch.

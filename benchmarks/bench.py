@@ -109,8 +109,67 @@ def offload_8b() -> Case:
     """Llama-3-8B on one GPU: ZeRO-3 with the optimizer (fp32 master weights and Adam moments) in CPU memory."""
     return llama("l8b-offload-1gpu", "llama-8b", 4, 3, True, ckpt=True, warmup=1, steps=2, estimate=300,
                  timeout=480, sets={"scaling.num_workers": 1, "scaling.cpus_per_worker": 30,
+                                    # as examples/llama-8b-1gpu-offload.yaml: the CPU update once per 8 micro-batches
+                                    "train.gradient_accumulation_steps": 8,
                                     "deepspeed.zero_optimization.offload_optimizer": {"device": "cpu",
                                                                                       "pin_memory": True}})
+
+
+LEAF_LAYERS = {"leaf_module": {"classes": ["LlamaDecoderLayer"]}}  # ZeRO-3 hooks per decoder layer only
+NO_LEAF = {"leaf_module": {"classes": []}}  # ZeRO-3 hooks on every module (DeepSpeed's default for Llama)
+COMPILE = {"model.compile": True}
+DEEPCOMPILE = {"model.compile": True, "deepspeed.compile": {"deepcompile": True}}
+
+
+def suite_tune() -> list[Case]:
+    """Third GPU pass: against HF Trainer at the same batch, what ZeRO-3 hook granularity and torch.compile
+    (plain, and DeepSpeed's DeepCompile) add to the Liger configuration. Same ds_config on both sides."""
+    return [
+        llama("l1b-z3-mb16-liger", "llama-1.1b", 16, 3, True, estimate=75),
+        llama("hf-l1b-z3-mb16", "llama-1.1b", 16, 3, False, runner="hf", estimate=45),
+        llama("l1b-z3-mb16-liger-leaf", "llama-1.1b", 16, 3, True, LEAF_LAYERS, estimate=75),
+        llama("l1b-z3-mb16-liger-compile", "llama-1.1b", 16, 3, True, sets=COMPILE, estimate=110),
+        llama("l1b-z3-mb16-liger-leaf-compile", "llama-1.1b", 16, 3, True, LEAF_LAYERS, sets=COMPILE, estimate=110),
+        llama("hf-l1b-z3-mb16-leaf", "llama-1.1b", 16, 3, False, LEAF_LAYERS, runner="hf", estimate=45),
+        llama("l1b-z3-mb16-liger-deepcompile", "llama-1.1b", 16, 3, True, sets=DEEPCOMPILE, estimate=120),
+    ]
+
+
+def suite_final() -> list[Case]:
+    """Fourth GPU pass: the defaults after the tune pass (Liger and layer-wise ZeRO-3 fetches on), against HF
+    Trainer with the same ds_config and with DeepSpeed's per-module default; Llama-3-8B on one and two GPUs."""
+    return [
+        offload_8b(),
+        llama("l1b-z3-mb16-liger", "llama-1.1b", 16, 3, True, estimate=75),
+        llama("hf-l1b-z3-mb16", "llama-1.1b", 16, 3, False, runner="hf", estimate=45),
+        llama("hf-l1b-z3-mb16-noleaf", "llama-1.1b", 16, 3, False, NO_LEAF, runner="hf", estimate=45),
+        llama("l8b-z3-mb4-liger", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=110, timeout=300),
+    ]
+
+
+def suite_prefetch() -> list[Case]:
+    """Fifth GPU pass: with whole decoder layers fetched, a prefetch bucket of the "auto" 0.9 h^2 (3.8M
+    parameters for the 1.1B shape) is smaller than one layer (44M), so nothing is fetched ahead; a bucket of
+    one layer or more lets the next layer's all-gather overlap this layer's compute. Same ds_config on both sides."""
+    ahead = {**LEAF_LAYERS, "stage3_prefetch_bucket_size": 50_000_000}
+    return [
+        llama("l1b-z3-mb16-liger-ahead", "llama-1.1b", 16, 3, True, ahead, estimate=80),
+        llama("hf-l1b-z3-mb16-ahead", "llama-1.1b", 16, 3, False, ahead, runner="hf", estimate=40),
+        llama("l1b-z3-mb16-liger", "llama-1.1b", 16, 3, True, estimate=80),
+        llama("hf-l1b-z3-mb16", "llama-1.1b", 16, 3, False, runner="hf", estimate=40),
+        llama("l1b-z3-mb16-liger-noleaf", "llama-1.1b", 16, 3, True, NO_LEAF, estimate=80),
+    ]
+
+
+def suite_confirm() -> list[Case]:
+    """Last GPU pass: the app's defaults after the prefetch pass (whole-layer fetches, one layer prefetched,
+    from the "auto" values) against HF Trainer with the same ds_config and with DeepSpeed's per-module hooks."""
+    return [
+        llama("l1b-z3-mb16-liger", "llama-1.1b", 16, 3, True, estimate=85),
+        llama("hf-l1b-z3-mb16", "llama-1.1b", 16, 3, False, runner="hf", estimate=40),
+        llama("hf-l1b-z3-mb16-noleaf", "llama-1.1b", 16, 3, False, NO_LEAF, runner="hf", estimate=40),
+        llama("l8b-z3-mb4-liger", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=80, timeout=200),
+    ]
 
 
 def suite_full() -> list[Case]:
@@ -142,7 +201,7 @@ def suite_smoke() -> list[Case]:
     ]
 
 
-SUITES = {"explore": suite_explore, "gpu": suite_gpu, "full": suite_full, "smoke": suite_smoke}
+SUITES = {"explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke}
 
 
 # ---- configs ---------------------------------------------------------------------------------------------
@@ -278,15 +337,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _knobs(doc: dict[str, Any], shape: assets.Shape, cfg_path: Path, runner: str) -> dict[str, Any]:
-    from app import config as config_mod, ds_config
+    from app import config as config_mod, driver
 
     cfg = config_mod.load(cfg_path)
     workers = cfg.scaling.num_workers
-    ds = ds_config.build(cfg, shape.hidden, workers)  # what driver.check hands the workers
+    ds, _ = driver.check(cfg)  # what the app hands the workers (and hf_trainer builds the same way)
     return {
         "workers": workers, "stage": cfg.zero_stage, "micro_batch": cfg.train.micro_batch_size,
         "grad_accum": cfg.train.gradient_accumulation_steps, "seq": cfg.data.seq_length, "packing": cfg.data.packing,
-        "liger": cfg.model.liger_kernels, "act_ckpt": cfg.model.gradient_checkpointing,
+        "liger": cfg.model.liger_kernels, "compile": cfg.model.compile, "act_ckpt": cfg.model.gradient_checkpointing,
         "offload": bool(ds["zero_optimization"].get("offload_optimizer")), "ds_config": ds,
         "command": (f"python -m torch.distributed.run --standalone --nproc_per_node {workers} -m benchmarks.hf_trainer "
                     f"--config {cfg_path}") if runner == "hf" else f"python -m app.cli train {cfg_path}",

@@ -45,7 +45,7 @@ def main() -> None:
     t = cfg.train
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     mc = load_model_config(cfg.model)
-    ds = ds_config.build(cfg, hidden_size(mc), world)
+    ds = ds_config.build(cfg, world_size=world, **ds_config.model_facts(cfg, mc))
     total = args.warmup + args.steps
     out_dir = Path(tempfile.mkdtemp(prefix="hf-trainer-"))
     targs = TrainingArguments(

@@ -262,6 +262,8 @@ BAD_VALUES = {
                              "training.deepspeed.offload_optimizer"),
     "zero-stage": ({"training": {"deepspeed": {"zero_optimization": {"stage": 4}}}},
                    "training.deepspeed.zero_optimization.stage"),
+    "leaf-module-not-a-mapping": ({"training": {"deepspeed": {"zero_optimization": {"leaf_module": "LlamaDecoderLayer"}}}},
+                                  "training.deepspeed.zero_optimization.leaf_module: must be a mapping"),
     "claim-and-create": ({"storage": {"existingClaim": "shared"}}, "storage.existingClaim"),
     "no-storage": ({"storage": {"create": False}}, "storage.create"),
     "storage-path-off-volume": ({"training": {"experiment": {"storage_path": "/data"}}},

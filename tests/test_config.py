@@ -48,6 +48,10 @@ BAD = {
     "wrong type": (["train.epochs=many"], "train.epochs", "whole number"),
     "literal": (["train.precision=fp8"], "train.precision", "one of the listed values"),
     "storage under a file": (["experiment.storage_path={storage}/someone-elses-file/sub"], "experiment.storage_path", "not a folder"),
+    "leaf_module not a mapping": (["deepspeed.zero_optimization.leaf_module=GPT2Block"],
+                                  "deepspeed.zero_optimization.leaf_module", "{classes: auto}"),
+    "compile with Liger on ZeRO-3": (["model.compile=true", "model.liger_kernels=true"], "model.compile",
+                                     "model.liger_kernels=false"),
     "storage not writable": (["experiment.storage_path=/sys/finetune-storage"], "experiment.storage_path", "not writable"),
 }
 
@@ -157,3 +161,40 @@ def test_validate_prints_resolved_config_and_ds_json(tiny_model, storage, capsys
     assert main(["validate", *base_args(storage, tiny_model), "--ds-config-only"]) == 0
     ds = json.loads(capsys.readouterr().out)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64  # the tiny model's hidden size
+    # ZeRO-3 fetches each decoder layer whole: the layer class comes from the model (GPT-2's block here).
+    assert ds["zero_optimization"]["leaf_module"] == {"classes": ["GPT2Block"]}
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["deepspeed.zero_optimization.stage=2"], None),  # a ZeRO-3 knob only
+    (["deepspeed.zero_optimization.leaf_module={classes: [GPT2MLP]}"], {"classes": ["GPT2MLP"]}),  # the user's choice
+    (["deepspeed.zero_optimization.leaf_module={names: [transformer.h.0]}"],
+     {"classes": ["GPT2Block"], "names": ["transformer.h.0"]}),  # merged over the default "auto"
+])
+def test_leaf_module_auto_rule(sets, expected, tiny_model, storage, capsys):
+    args = base_args(storage, tiny_model)
+    for s in sets:
+        args += ["--set", s]
+    assert main(["validate", *args, "--ds-config-only"]) == 0
+    ds = json.loads(capsys.readouterr().out)
+    assert ds["zero_optimization"].get("leaf_module") == expected
+
+
+def test_leaf_classes_from_the_model_shape():
+    from transformers import LlamaConfig, MixtralConfig
+
+    from app.model import zero3_leaf_layers
+
+    llama = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
+    per_layer = 4 * 256 * 256 + 3 * 256 * 512 + 2 * 256  # attention, MLP, two norms
+    assert zero3_leaf_layers(llama) == (["LlamaDecoderLayer"], per_layer)
+    # A layer over DeepSpeed's 1e9-parameter leaf cap (Mixtral 8x7B's) is left to DeepSpeed's own hooks.
+    assert zero3_leaf_layers(MixtralConfig()) == ([], 0)
+    # The prefetch bucket holds at least one whole layer, so the next one is fetched while this one computes.
+    cfg = parse({})
+    ds = ds_config.build(cfg, **ds_config.model_facts(cfg, llama))
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == per_layer > int(0.9 * 256 * 256)
+    assert ds["zero_optimization"]["leaf_module"] == {"classes": ["LlamaDecoderLayer"]}
+    # Set by hand, the bucket is the user's.
+    cfg = parse({"deepspeed": {"zero_optimization": {"stage3_prefetch_bucket_size": 1000}}})
+    assert ds_config.build(cfg, **ds_config.model_facts(cfg, llama))["zero_optimization"]["stage3_prefetch_bucket_size"] == 1000

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -433,3 +434,23 @@ def test_lock_installs_in_a_fresh_venv_and_the_image_commands_run(tmp_path):
     where = _run([str(py), "-c", "import app; print(app.__file__)"], cwd=run_dir, env=env).stdout.strip()
     assert where.startswith(str(venv)), where
     print(f"fresh-venv install + commands: {time.monotonic() - start:.0f} s")
+
+
+def test_gpu_extra_is_pinned_installed_by_the_image_and_needs_only_torchs_stack(tmp_path):
+    """The `gpu` extra (Liger's kernels) is left out of the CPU test venv, so this is what is checked of it:
+    every entry pinned, the Dockerfile's dependency step installs the extra, and the pinned wheel needs nothing
+    beyond torch and triton (both from step 1's CUDA torch), so the locked set stays consistent in the image."""
+    gpu = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]["gpu"]
+    assert gpu and all("==" in spec for spec in gpu), gpu
+    df = read_dockerfile(DOCKERFILE)
+    step = next(a for k, a in df["items"] if k == "RUN" and "['dependencies']" in a)
+    assert "['optional-dependencies']['gpu']" in step and "-c requirements.lock" in step, step
+    for spec in gpu:
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp_path), spec], cwd=tmp_path)
+    for wheel in tmp_path.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            requires = [line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines()
+                        if line.startswith("Requires-Dist:") and "extra ==" not in line]
+        names = {re.split(r"[<>=!~;\s\[]", r, maxsplit=1)[0].lower() for r in requires}
+        assert names <= {"torch", "triton"}, (wheel.name, requires)

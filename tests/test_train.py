@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,9 @@ def test_exact_mid_epoch_resume(runs):
     storage, stopped, resumed = runs
     assert "stopped at step 5 of 16" in stopped
     assert "resumed from" in resumed and "at global step 5 (epoch 0, step 5 of the epoch)" in resumed
+    # Start-up phases are timed in the log (what an operator reads when a restart is slow).
+    assert re.search(r"model and DeepSpeed engine ready in \d+\.\ds", stopped), stopped[-3000:]
+    assert re.search(r"of the epoch\), loaded in \d+\.\ds;", resumed), resumed[-3000:]
     full, part = losses(storage / "full"), losses(storage / "resumed")
     assert sorted(part) == list(range(1, 17))  # the global step continued from 5, it did not restart
     worst = max(abs(full[s] - part[s]) for s in range(6, 17))

@@ -1,7 +1,7 @@
 {{/*
 The final DeepSpeed config, as app/ds_config.py build() makes it when the model config cannot be read
 (validate before the model is downloaded): "auto" batch sizes, clipping, precision and optimizer values are
-filled from training.*, the hidden-size ones stay "auto" until run start. The same problems app/ds_config.py
+filled from training.*, the model-shape ones (hidden-size buckets, leaf_module.classes) stay "auto" until run start. The same problems app/ds_config.py
 check() reports make the install fail here. tests/test_chart.py compares both for several value sets.
 Returns JSON; fails with one line per problem.
 */}}
@@ -42,6 +42,9 @@ Returns JSON; fails with one line per problem.
 {{- $offOpt := and (kindIs "map" (dig "offload_optimizer" "" $zero)) (not (has (toString (dig "offload_optimizer" "device" "none" $zero)) (list "none" "<nil>"))) -}}
 {{- if and $offParam (lt $stage 3) }}
 {{- $p = append $p (printf "training.deepspeed.zero_optimization.offload_param: parameter offload needs ZeRO stage 3, the stage is %d (got %s). Fix: set training.deepspeed.zero_optimization.stage=3 or remove offload_param" $stage (toJson $zero.offload_param)) }}
+{{- end }}
+{{- if and (hasKey $zero "leaf_module") (not (kindIs "map" (get $zero "leaf_module"))) }}
+{{- $p = append $p (printf "training.deepspeed.zero_optimization.leaf_module: must be a mapping (got %s). Fix: write e.g. leaf_module: {classes: auto} or {classes: [LlamaDecoderLayer]}, or remove it" (toJson (get $zero "leaf_module"))) }}
 {{- end }}
 {{- if and $offOpt (eq $stage 0) }}
 {{- $p = append $p (printf "training.deepspeed.zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3 (got %s). Fix: raise training.deepspeed.zero_optimization.stage or remove offload_optimizer" (toJson $zero.offload_optimizer)) }}
@@ -108,6 +111,11 @@ Returns JSON; fails with one line per problem.
 {{- if lt (int (dig "stage" 0 $zero)) 3 }}
 {{- $_ := unset $zero "stage3_prefetch_bucket_size" -}}
 {{- $_ := unset $zero "stage3_param_persistence_threshold" -}}
+{{- $leaf := get $zero "leaf_module" -}}
+{{- if and (kindIs "map" $leaf) (eq (toString (dig "classes" "" $leaf)) "auto") }}
+{{- $_ := unset $leaf "classes" -}}
+{{- if not $leaf }}{{ $_ := unset $zero "leaf_module" }}{{ end -}}
+{{- end }}
 {{- end }}
 {{- if hasKey $ds "optimizer" }}
 {{- $opt := get $ds "optimizer" -}}
@@ -119,8 +127,8 @@ Returns JSON; fails with one line per problem.
 {{- end }}
 {{- end }}
 
-{{- /* Only the hidden-size values may stay "auto": the model config fills them at run start. */ -}}
-{{- $derived := list "reduce_bucket_size" "stage3_prefetch_bucket_size" "prefetch_bucket_size" "stage3_param_persistence_threshold" "param_persistence_threshold" -}}
+{{- /* Only the model-shape values may stay "auto": the model config fills them at run start. */ -}}
+{{- $derived := list "reduce_bucket_size" "stage3_prefetch_bucket_size" "prefetch_bucket_size" "stage3_param_persistence_threshold" "param_persistence_threshold" "leaf_module.classes" -}}
 {{- $left := list -}}
 {{- range $path := (include "ray-finetune.findAuto" (dict "node" $ds "prefix" "") | splitList "\n") }}
 {{- if and $path (not (has (trimPrefix "zero_optimization." $path) $derived)) }}
