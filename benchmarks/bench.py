@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from app.config import ConfigError
 from benchmarks import assets
 from benchmarks.runner import REPO, Case, run_app, run_hf
 
@@ -308,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         log_path = work / "logs" / f"{case.name}.log"
         log_path.unlink(missing_ok=True)
-        row.update(_knobs(doc, shape, cfg_path, case.runner))
+        try:
+            row.update(_knobs(doc, shape, cfg_path, case.runner))
+        except ConfigError as exc:  # refused by the app's preflight (e.g. a combination known to fail)
+            row["error"] = f"invalid config: {exc}"
+            print(f"-- {case.name}: {row['error']}", flush=True)
+            _emit(out, row, results)
+            continue
         print(f"-- {case.name}: {row['command']}", flush=True)
         started = time.time()
         run_dir = work / "storage" / case.name

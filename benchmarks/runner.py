@@ -167,21 +167,8 @@ def summarise(records: list[dict[str, Any]], warmup: int, launch: float) -> dict
     return out
 
 
-# DeepSpeed's first log line of a checkpoint load (rank 0), newest wording first.
-LOAD_START = ("zero partition checkpoints", "Loading model from", "loading checkpoint")
-# A worker log line written once the model is built, before the DeepSpeed engine (Liger's, when it is on).
-MODEL_BUILT = ("Applying Liger kernels",)
-TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[,.](\d{3})")
-
-
-def log_time(log: str, needle: str) -> float | None:
-    """Wall time of the first log line containing `needle` (the loop's and DeepSpeed's line stamps)."""
-    for line in log.splitlines():
-        if needle in line:
-            m = TIMESTAMP.search(line)
-            if m:
-                return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-    return None
+# The loop's resume line: "resumed from ... (epoch E, step S of the epoch), loaded in 4.7s; ..."
+LOADED_IN = re.compile(r"resumed from .*, loaded in (\d+(?:\.\d+)?)s;")
 
 
 def error_lines(log: str, n: int = 6) -> str:
@@ -282,20 +269,9 @@ def measure_checkpoint(case: Case, cfg_path: Path, run_dir: Path, records: list[
     out["resume_time_to_first_step_s"] = round(resumed[0]["time"] - launch2, 2)
     out["fresh_time_to_first_step_s"] = round(records[0]["time"] - launch, 2)
     out["resumed_at_step"] = resumed[0]["step"]
-    started = next((t for t in (log_time(log, n) for n in LOAD_START) if t), None)
-    loaded = log_time(log, "resumed from")
-    if started and loaded and loaded >= started:
-        out["load_s"] = round(loaded - started, 2)
-    # Without a log line of its own for the load: the loop logs "starting ... from scratch" or "resumed from"
-    # right after the engine is built (and, on resume, loaded); the model is built before the engine. The
-    # model-built -> loop-ready interval of the resumed run minus that of the fresh run is the load.
-    for marker in MODEL_BUILT:
-        a, b = log_time(before, marker), log_time(log, marker)
-        fresh_ready = log_time(before, "from scratch")
-        if a and b and fresh_ready and loaded:
-            out["load_s_estimate"] = round((loaded - b) - (fresh_ready - a), 2)
-            out["load_s_estimate_method"] = f"(resumed - fresh) interval from '{marker}' to the loop's first line"
-            break
+    m = LOADED_IN.search(log)  # the loop's own figure: restore() of engine, optimizer and scheduler states
+    if m:
+        out["load_s"] = float(m.group(1))
     out["startup_difference_s"] = round(out["resume_time_to_first_step_s"] - out["fresh_time_to_first_step_s"], 2)
     return out
 

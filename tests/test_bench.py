@@ -9,6 +9,7 @@ import json
 import pytest
 import yaml
 
+from app.config import ConfigError
 from benchmarks import bench
 
 
@@ -19,7 +20,10 @@ def _configs(tmp_path, cases):
         path = tmp_path / "configs" / f"{case.name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(doc))
-        yield case, bench._knobs(doc, shape, path, case.runner)
+        try:
+            yield case, bench._knobs(doc, shape, path, case.runner)
+        except ConfigError as exc:
+            yield case, exc
 
 
 def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
@@ -27,15 +31,19 @@ def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
              for c in bench.SUITES[suite]()}
     seen = 0
     for case, knobs in _configs(tmp_path, cases.values()):
+        seen += 1
+        if case.sets.get("model.compile"):
+            # Run C's compile cases failed on the GPUs; the app now refuses them before starting (a row with
+            # the error, not a crash of the harness).
+            assert isinstance(knobs, ConfigError) and "model.compile" in str(knobs), (case.name, knobs)
+            continue
+        assert not isinstance(knobs, ConfigError), (case.name, knobs)
         zero = knobs["ds_config"]["zero_optimization"]
         assert knobs["workers"] == case.sets.get("scaling.num_workers", 2)
-        if knobs["stage"] == 3 and "deepspeed.zero_optimization.leaf_module" not in case.sets:
-            leaf = zero.get("leaf_module", {}).get("classes")
-            if case.shape.startswith("llama"):
-                # The defaults: whole Llama layers, and a prefetch bucket of at least one of them.
-                assert leaf == ["LlamaDecoderLayer"], (case.name, zero)
-                assert zero["stage3_prefetch_bucket_size"] >= (44_044_288 if case.shape == "llama-1.1b" else 218_112_000)
-        seen += 1
+        if knobs["stage"] == 3 and "deepspeed.zero_optimization.leaf_module" not in case.sets and case.shape.startswith("llama"):
+            # The defaults: whole Llama layers, and a prefetch bucket of at least one of them.
+            assert zero["leaf_module"]["classes"] == ["LlamaDecoderLayer"], (case.name, zero)
+            assert zero["stage3_prefetch_bucket_size"] >= (44_044_288 if case.shape == "llama-1.1b" else 218_112_000)
     assert seen == len(cases)
 
 
@@ -50,4 +58,4 @@ def test_smoke_suite_runs_every_runner_on_cpu(tmp_path):
         assert not r.get("error"), r["error"]
         assert r["steps_timed"] >= 3 and r["tokens_per_s_per_gpu"] > 0, r
     ckpt = next(r["checkpoint"] for r in rows if r.get("checkpoint"))
-    assert ckpt["bytes"] > 0 and ckpt["resumed_at_step"] == 5, ckpt
+    assert ckpt["bytes"] > 0 and ckpt["resumed_at_step"] == 5 and ckpt["load_s"] >= 0, ckpt  # tiny: 0.0 s
