@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from itertools import chain
 from pathlib import Path
 from typing import Any, Iterator
@@ -193,6 +194,28 @@ def make_loader(dataset, micro_batch: int, world: int, rank: int, shuffle: bool,
         # dropout masks would differ from an uninterrupted run's.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+class LoaderClock:
+    """Host time spent blocked on the data loader: an upper bound on how long the GPU waited for data."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def timed(self, loader) -> Iterator[Any]:
+        batches = iter(loader)
+        while True:
+            started = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - started
+            yield batch
+
+    def take(self) -> float:
+        waited, self.waited = self.waited, 0.0
+        return waited
 
 
 def batches_per_epoch(dataset_len: int, micro_batch: int, world: int) -> int:

@@ -56,12 +56,13 @@ class MetricsLogger:
                                   "resumed_from": resumed_from}, force=True)
 
     def step(self, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
-             tokens_per_s_per_gpu: float, step_time: float) -> dict[str, Any]:
+             tokens_per_s_per_gpu: float, step_time: float, data_wait: float = 0.0) -> dict[str, Any]:
         done = step - self.start_step
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(done, 1) * (self.total - step)
         record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "step_time_s": step_time, "eta_s": eta}
+                  "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "step_time_s": step_time, "eta_s": eta,
+                  "data_wait_s": data_wait}
         if self.flops_per_tok and self.peak:
             record["mfu"] = tokens_per_s_per_gpu * self.flops_per_tok / self.peak
         if torch.cuda.is_available():
@@ -71,9 +72,11 @@ class MetricsLogger:
             self.progress.update({k: record[k] for k in ("step", "epoch", "loss", "tokens_per_s_per_gpu", "eta_s")})
         mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
         gn = f" gnorm {grad_norm:.3f}" if grad_norm is not None else ""
+        # Shown only when it matters: a loader that cannot keep up (raise data.loader_workers).
+        starved = f" data wait {data_wait / step_time:.0%}" if step_time and data_wait > 0.05 * step_time else ""
         log.info(
             f"step {step}/{self.total} epoch {epoch} loss {loss:.4f} lr {lr:.3g}{gn} "
-            f"tok/s/gpu {tokens_per_s_per_gpu:,.0f}{mfu} step {step_time * 1000:.0f}ms eta {_duration(eta)}"
+            f"tok/s/gpu {tokens_per_s_per_gpu:,.0f}{mfu} step {step_time * 1000:.0f}ms{starved} eta {_duration(eta)}"
         )
         return record
 

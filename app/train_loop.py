@@ -90,6 +90,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     window_loss = torch.zeros((), device=device)
     window_tokens = torch.zeros((), device=device)
     window_steps, window_start = 0, time.perf_counter()
+    loader_clock = data.LoaderClock()
     last: dict[str, Any] = {}
     stop = step >= total_steps
     for epoch in range(position["epoch"], t.epochs):
@@ -98,7 +99,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         step_in_epoch = position["step_in_epoch"] if epoch == position["epoch"] else 0
         sampler.set_position(epoch, step_in_epoch * t.gradient_accumulation_steps * t.micro_batch_size)
         micro = 0
-        for batch in train_loader:
+        for batch in loader_clock.timed(train_loader):
             if step_in_epoch >= steps_per_epoch:
                 break
             loss = engine(**batch).loss
@@ -121,7 +122,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 last = {"loss": loss_avg}
                 if metrics:
                     metrics.step(step, epoch, loss_avg, engine.get_lr()[0], _grad_norm(engine),
-                                 tokens / elapsed / world, elapsed / window_steps)
+                                 tokens / elapsed / world, elapsed / window_steps, loader_clock.take() / window_steps)
                 window_loss.zero_(), window_tokens.zero_()
                 window_steps, window_start = 0, time.perf_counter()
 

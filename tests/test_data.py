@@ -107,3 +107,24 @@ def test_random_init_builds_the_shape_without_its_weights(tiny_model, capsys, tm
             "--set", "data.seq_length=64", "--ds-config-only"]
     assert main(["validate", *args]) == 0
     assert '"reduce_bucket_size": 4096' in capsys.readouterr().out  # the shape's hidden size was read offline
+
+
+def test_loader_clock_counts_only_the_time_blocked_on_the_loader():
+    import time
+
+    from app.data import LoaderClock
+
+    def slow_loader():
+        for i in range(4):
+            time.sleep(0.05)
+            yield i
+
+    clock = LoaderClock()
+    seen = []
+    for batch in clock.timed(slow_loader()):
+        time.sleep(0.05)  # the training step: not counted
+        seen.append(batch)
+    waited = clock.take()
+    assert seen == [0, 1, 2, 3]
+    assert 0.19 <= waited < 0.35, waited  # 4 x 50 ms of loader, not the 4 x 50 ms of steps
+    assert clock.take() == 0.0

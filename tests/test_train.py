@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -40,6 +41,10 @@ def runs(tmp_path_factory, tiny_model):
 def test_zero3_learns(runs):
     storage, _, _ = runs
     assert_learns(storage / "full")
+    # Every step record says how long the host waited for the loader, never more than the step took.
+    records = [json.loads(line) for line in (storage / "full" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "train"]
+    assert steps and all(0 <= r["data_wait_s"] <= r["step_time_s"] for r in steps), steps[:3]
 
 
 def test_exact_mid_epoch_resume(runs):
