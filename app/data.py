@@ -30,11 +30,25 @@ def is_local(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~")) or bool(glob.glob(os.path.expanduser(spec)))
 
 
+# A dataset folder with more entries than this is a mistake (e.g. data.dataset=/), not a dataset: stop walking.
+MAX_FOLDER_ENTRIES = 200_000
+
+
+class TooManyFiles(Exception):
+    pass
+
+
 def _local_files(spec: str) -> list[str]:
     path = Path(os.path.expanduser(spec))
-    if path.is_dir():
-        return sorted(str(p) for p in path.rglob("*") if p.suffix in LOCAL_BUILDERS)
-    return sorted(glob.glob(os.path.expanduser(spec)))
+    if not path.is_dir():
+        return sorted(glob.glob(os.path.expanduser(spec)))
+    found, seen = [], 0
+    for folder, _, names in os.walk(path):
+        seen += len(names) + 1
+        if seen > MAX_FOLDER_ENTRIES:
+            raise TooManyFiles(path)
+        found += [os.path.join(folder, n) for n in names if Path(n).suffix in LOCAL_BUILDERS]
+    return sorted(found)
 
 
 def _saved_dataset(path: Path) -> bool:
@@ -48,7 +62,11 @@ def check_source(cfg: DataConfig) -> list[Problem]:
         return []  # a hub name: only the run can reach the hub
     if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
         return []
-    files = _local_files(cfg.dataset)
+    try:
+        files = _local_files(cfg.dataset)
+    except TooManyFiles:
+        return [Problem("data.dataset", cfg.dataset, f"the folder holds more than {MAX_FOLDER_ENTRIES:,} files and "
+                        "folders: that is not one dataset", "point it at the dataset's own folder, or at a glob of its files")]
     if not files:
         return [Problem("data.dataset", cfg.dataset, "no json/jsonl/csv/parquet/txt files found there", "check the path or glob")]
     kinds = {LOCAL_BUILDERS.get(Path(f).suffix) for f in files}

@@ -198,3 +198,20 @@ def test_leaf_classes_from_the_model_shape():
     # Set by hand, the bucket is the user's.
     cfg = parse({"deepspeed": {"zero_optimization": {"stage3_prefetch_bucket_size": 1000}}})
     assert ds_config.build(cfg, **ds_config.model_facts(cfg, llama))["zero_optimization"]["stage3_prefetch_bucket_size"] == 1000
+
+
+def test_a_folder_too_big_to_be_a_dataset_is_refused_without_walking_it_all(storage, tiny_model, tmp_path,
+                                                                           monkeypatch, capsys):
+    """data.dataset=/ used to make validate walk the whole disk; the walk now stops at a bound."""
+    from app import data
+
+    big = tmp_path / "big"
+    for i in range(12):
+        (big / f"d{i}").mkdir(parents=True)
+        (big / f"d{i}" / "part.jsonl").write_text('{"text": "x"}\n')
+    monkeypatch.setattr(data, "MAX_FOLDER_ENTRIES", 10)
+    assert main(["validate", *base_args(storage, tiny_model), "--set", f"data.dataset={big}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.dataset: the folder holds more than 10 files and folders" in err and "Traceback" not in err
+    monkeypatch.setattr(data, "MAX_FOLDER_ENTRIES", 100)
+    assert main(["validate", *base_args(storage, tiny_model), "--set", f"data.dataset={big}"]) == 0
