@@ -163,14 +163,15 @@ def test_unreachable_api_never_raises_or_blocks(fake, caplog, monkeypatch, tmp_p
 
 
 # End to end: real local CPU training pointed at the fake API server.
-def train(tiny_model: Path, tmp_path: Path, name: str, steps: int, every: int) -> str:
+def train(tiny_model: Path, tmp_path: Path, name: str, steps: int, every: int, ends_at: int | None = None,
+          **extra) -> str:
     env = {"KUBECONFIG": os.environ["KUBECONFIG"], "FINETUNE_RAYJOB_NAME": "exp1", "FINETUNE_RAYJOB_NAMESPACE": NS,
            "FINETUNE_PROGRESS_INTERVAL_S": "0.5", "KUBERNETES_SERVICE_HOST": ""}
-    values = {"train.epochs": 1, "train.max_steps_per_epoch": steps, "checkpoint.every_steps": every}
+    values = {"train.epochs": 1, "train.max_steps_per_epoch": steps, "checkpoint.every_steps": every, **extra}
     r = run_cli("train", *tiny_overrides(tmp_path / "storage", name, tiny_model, **values), env=env, timeout=300)
     output = r.stdout + r.stderr
     assert r.returncode == 0, output[-3000:]
-    assert f"done: {name} at global step {steps}" in r.stdout
+    assert f"done: {name} at global step {ends_at or steps}" in r.stdout
     return output
 
 
@@ -188,6 +189,15 @@ def test_training_publishes_progress_on_its_rayjob(fake, tiny_model, tmp_path):
     assert len({rec.get("step") for rec in records}) >= 3, records
     assert {rec.get("last_checkpoint_step") for rec in records} >= {3, 6}
     assert "progress: cannot" not in output
+
+
+def test_a_resumed_run_publishes_where_it_resumed_from(fake, tiny_model, tmp_path):
+    train(tiny_model, tmp_path, "progress-resume", steps=4, every=2, ends_at=2, **{"train.stop_after_steps": 2})
+    assert published(fake)["step"] == 2 and published(fake)["resumed_from"] is None
+    train(tiny_model, tmp_path, "progress-resume", steps=4, every=2)
+    final = published(fake)
+    assert final["step"] == final["total_steps"] == 4
+    assert final["resumed_from"].endswith("progress-resume/checkpoints/step-00000002"), final
 
 
 def test_training_finishes_when_the_api_refuses_then_goes_down(fake, tiny_model, tmp_path):
