@@ -50,7 +50,7 @@ def storage_problems(storage_path: str) -> list[Problem]:
     return []
 
 
-def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[dict[str, Any], list[Problem], str | None]:
+def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[dict[str, Any], list[Problem], str | None]:
     """What the DeepSpeed config's "auto" values need from the model config (ds_config.build's keyword
     arguments; empty when it cannot be read now), its context check, and a note when it cannot be read."""
     source, _ = model_source(cfg.model.name_or_path)
@@ -74,10 +74,8 @@ def model_facts(cfg: TrainingConfig, offline: bool) -> tuple[dict[str, Any], lis
 def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks.md, run C):
     refuse it here rather than after the cluster and the model are up."""
-    zero = cfg.deepspeed.get("zero_optimization")
-    stage3 = isinstance(zero, dict) and zero.get("stage") == 3
     liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
-    if cfg.model.compile and liger and stage3:
+    if cfg.model.compile and liger and ds_config.zero3(cfg):
         return [Problem("model.compile", True, "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
                         "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
                         "set model.compile=false (the default), or model.liger_kernels=false")]
@@ -151,7 +149,7 @@ def check(cfg: TrainingConfig, offline: bool = True) -> tuple[dict[str, Any], st
         problems += data.check_source(cfg.data)
     except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
         problems.append(Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files"))
-    facts, model_problems, note = model_facts(cfg, offline)
+    facts, model_problems, note = read_model_config(cfg, offline)
     problems += model_problems + compile_problems(cfg)
     if problems:
         raise ConfigError(problems)

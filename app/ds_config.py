@@ -120,13 +120,18 @@ def optimizer_offloaded(cfg: TrainingConfig) -> bool:
     return _offload_device(cfg.deepspeed.get("zero_optimization", {}).get("offload_optimizer"))
 
 
+def zero3(cfg: TrainingConfig) -> bool:
+    """ZeRO stage 3, read safely from a deepspeed block that may still be invalid (check() reports that)."""
+    zero = cfg.deepspeed.get("zero_optimization")
+    return isinstance(zero, dict) and zero.get("stage") == 3
+
+
 def model_facts(cfg: TrainingConfig, model_config) -> dict[str, Any]:
     """What `build` needs from a transformers model config, as its keyword arguments."""
     from app.model import hidden_size, zero3_leaf_layers
 
-    zero = cfg.deepspeed.get("zero_optimization")
-    leaf = zero.get("leaf_module") if isinstance(zero, dict) else None
-    wanted = isinstance(leaf, dict) and leaf.get("classes") == AUTO and zero.get("stage") == 3
+    leaf = cfg.deepspeed.get("zero_optimization", {}).get("leaf_module") if zero3(cfg) else None
+    wanted = isinstance(leaf, dict) and leaf.get("classes") == AUTO
     classes, params = zero3_leaf_layers(model_config, cfg.model.trust_remote_code) if wanted else ([], 0)
     return {"hidden_size": hidden_size(model_config), "layer_classes": classes, "layer_params": params}
 

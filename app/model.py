@@ -108,8 +108,7 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any]):
             **overrides,
         )
     del keep_alive
-    liger = use_liger(cfg)
-    if liger:
+    if use_liger(cfg):
         _apply_liger(model, required=cfg.liger_kernels is True)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
