@@ -49,8 +49,8 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def template_args(values: list[Path] = (), sets: list[str] = (), set_json: list[str] = (),
-                  release: str = "gpt2-agnews") -> list[str]:
-    args = ["template", release, str(CHART), "--namespace", "default"]
+                  release: str = "gpt2-agnews", namespace: str = "default") -> list[str]:
+    args = ["template", release, str(CHART), "--namespace", namespace]
     for v in values:
         args += ["-f", str(v)]
     for s in sets:
@@ -61,9 +61,9 @@ def template_args(values: list[Path] = (), sets: list[str] = (), set_json: list[
 
 
 def render(values: list[Path] = (), sets: list[str] = (), set_json: list[str] = (),
-           release: str = "gpt2-agnews") -> list[dict[str, Any]]:
+           release: str = "gpt2-agnews", namespace: str = "default") -> list[dict[str, Any]]:
     """`helm template` of the chart, parsed into objects."""
-    return parse(helm(*template_args(values, sets, set_json, release)).stdout)
+    return parse(helm(*template_args(values, sets, set_json, release, namespace)).stdout)
 
 
 def parse(text: str) -> list[dict[str, Any]]:

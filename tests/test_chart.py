@@ -123,8 +123,8 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
     assert head_env["FINETUNE_RAYJOB_NAME"] == name
     assert head_env["FINETUNE_RAYJOB_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     if values["progressReporting"]["rbac"]["create"]:
-        role = one(objects, "Role")
-        assert {"rayjobs"} <= set(role["rules"][0]["resources"]) and {"get", "patch"} <= set(role["rules"][0]["verbs"])
+        role = one(objects, "Role")  # its exact rules: tests/test_security.py
+        assert role["rules"][0]["resourceNames"] == [name]
         assert templates["head"]["spec"]["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
         binding = one(objects, "RoleBinding")
         assert binding["roleRef"]["name"] == role["metadata"]["name"]

@@ -81,3 +81,18 @@ def test_example_overlay_changes_name_image_gpus_and_storage_class(tmp_path):
     binding = one(objects, "RoleBinding")
     assert binding["roleRef"]["name"] == name and binding["subjects"][0]["name"] == name
     assert by_kind(objects, "ConfigMap")[0]["metadata"]["name"] == name
+
+
+def test_an_overlay_namespace_moves_the_rolebinding_subject(tmp_path):
+    """k8s/ is rendered for "default"; an overlay that sets `namespace:` (the documented way to deploy elsewhere)
+    moves every object and the RoleBinding's subject, so the pods' account keeps its Role."""
+    overlay = tmp_path / "ns"
+    overlay.mkdir()
+    shutil.copytree(K8S, tmp_path / "k8s")
+    (overlay / "kustomization.yaml").write_text("resources: [../k8s]\nnamespace: ml-team\n")
+    objects = kustomize(overlay)
+    assert {o["metadata"]["namespace"] for o in objects} == {"ml-team"}
+    subject = one(objects, "RoleBinding")["subjects"][0]
+    assert subject == {"kind": "ServiceAccount", "name": one(objects, "ServiceAccount")["metadata"]["name"],
+                       "namespace": "ml-team"}
+    assert "namespace: default" in (K8S / "rbac.yaml").read_text(), "the committed file names default (see above)"

@@ -132,6 +132,7 @@ headGroupSpec:
       {{- with include "ray-finetune.serviceAccountName" . }}
       serviceAccountName: {{ . }}
       {{- end }}
+      automountServiceAccountToken: {{ include "ray-finetune.headToken" . }}
       {{- with .Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -205,6 +206,7 @@ workerGroupSpecs:
         {{- with include "ray-finetune.serviceAccountName" $root }}
         serviceAccountName: {{ . }}
         {{- end }}
+        automountServiceAccountToken: {{ $root.Values.progressReporting.enabled }}
         {{- with $root.Values.imagePullSecrets }}
         imagePullSecrets:
           {{- toYaml . | nindent 10 }}

@@ -93,6 +93,16 @@ Ray Train workers: training.scaling.num_workers when set, else one per GPU of th
 {{- if .Values.storage.existingClaim }}{{ .Values.storage.existingClaim }}{{ else }}{{ include "ray-finetune.experiment" . }}{{ end -}}
 {{- end }}
 
+{{/*
+Whether the head pod mounts a ServiceAccount token ("true"/"false"): only when something on it calls the API.
+KubeRay's autoscaler sidecar does; and with CPU training (scaling.use_gpu false) Ray may place Ray Train's
+rank 0, the progress writer, on the head. GPU training workers never run there (num-gpus 0).
+*/}}
+{{- define "ray-finetune.headToken" -}}
+{{- $cpuTraining := eq (toString (dig "scaling" "use_gpu" true (.Values.training | default dict))) "false" -}}
+{{- or .Values.autoscaling.enabled (and .Values.progressReporting.enabled $cpuTraining) -}}
+{{- end }}
+
 {{- define "ray-finetune.serviceAccountName" -}}
 {{- if and .Values.progressReporting.enabled .Values.progressReporting.rbac.create -}}
 {{ include "ray-finetune.experiment" . }}
