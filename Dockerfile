@@ -13,7 +13,10 @@
 ARG CUDA=cu130
 # "" for x86_64; "-aarch64" for arm64 nodes (Ray publishes one tag per architecture, not a manifest list).
 ARG ARCH_SUFFIX=""
-FROM rayproject/ray:2.60.0-py311-${CUDA}${ARCH_SUFFIX}
+# The base pinned by digest, so a rebuild cannot pick up a re-pushed tag: --build-arg BASE_DIGEST=sha256:...
+# (`docker buildx imagetools inspect rayproject/ray:2.60.0-py311-cu130` prints it). Empty: the tag alone.
+ARG BASE_DIGEST=""
+FROM rayproject/ray:2.60.0-py311-${CUDA}${ARCH_SUFFIX}${BASE_DIGEST:+@}${BASE_DIGEST}
 
 # The project's version (pyproject.toml); the chart's appVersion and default image tag are the same.
 ARG VERSION=0.1.0
@@ -21,6 +24,7 @@ ARG VERSION=0.1.0
 ARG TORCH_VERSION=2.13.0
 ARG CUDA
 ARG ARCH_SUFFIX
+ARG BASE_DIGEST
 # The commit the image is built from, for the revision label: --build-arg REVISION="$(git rev-parse HEAD)".
 ARG REVISION=""
 # GPU architectures that DeepSpeed's CUDA ops are compiled for: Ampere (A100, A10/A40/RTX 30xx) and
@@ -33,7 +37,8 @@ LABEL org.opencontainers.image.title="ray-finetune" \
       org.opencontainers.image.source="https://github.com/example/ray-deepspeed-finetune" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.base.name="rayproject/ray:2.60.0-py311-${CUDA}${ARCH_SUFFIX}"
+      org.opencontainers.image.base.name="rayproject/ray:2.60.0-py311-${CUDA}${ARCH_SUFFIX}" \
+      org.opencontainers.image.base.digest="${BASE_DIGEST}"
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -81,6 +86,20 @@ COPY --chown=1000:100 examples/ examples/
 
 # Any other DeepSpeed op that is JIT-built at run time gets plain-number architectures too (see above).
 ENV TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"
+
+# The base image gives its user passwordless sudo (a "ray ALL=NOPASSWD: ALL" line in /etc/sudoers and the sudo
+# group), so the non-root uid 1000 could become root. Nothing needs root at run time: the line, the group
+# membership and sudo's setuid bit go, and the build fails if any of them is still there (docs/container.md).
+USER 0
+RUN sed -i '/^ray[[:space:]]/d' /etc/sudoers \
+ && rm -f /etc/sudoers.d/ray \
+ && if id -nG ray | grep -qw sudo; then gpasswd -d ray sudo; fi \
+ && sudo_bin="$(command -v sudo || true)" \
+ && if [ -n "$sudo_bin" ]; then chmod u-s "$sudo_bin"; fi \
+ && if grep -rqsE '^(ray|%users|%sudo)[[:space:]].*NOPASSWD' /etc/sudoers /etc/sudoers.d \
+       || id -nG ray | grep -qw sudo || { [ -n "$sudo_bin" ] && [ -u "$sudo_bin" ]; }; then \
+      echo "uid 1000 can still become root through sudo" >&2; exit 1; \
+    fi
 
 # The base image's non-root user, numeric so that Kubernetes' runAsNonRoot can verify it.
 USER 1000:100

@@ -100,6 +100,8 @@ def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
         "labels": STRING_MAP,
         "annotations": STRING_MAP,
         "image": IMAGE_OVERRIDE,
+        "podSecurityContext": FREE_OBJECT,
+        "securityContext": FREE_OBJECT,
         **extra,
     }
 
@@ -139,6 +141,8 @@ def kubernetes_properties() -> dict[str, Any]:
                 "resources": RESOURCES,
                 "nodeSelector": STRING_MAP,
                 "tolerations": LIST_OF_OBJECTS,
+                "podSecurityContext": FREE_OBJECT,
+                "securityContext": FREE_OBJECT,
             }),
         }),
         "auth": _obj({"mode": {"enum": ["token", "disabled"]}, "secretName": STR}),
@@ -167,6 +171,7 @@ def kubernetes_properties() -> dict[str, Any]:
         "ncclEnv": {**SCALAR_MAP, "description": "NCCL_* variables (validate.yaml rejects other names)."},
         "env": ENV_LIST,
         "podSecurityContext": FREE_OBJECT,
+        "securityContext": FREE_OBJECT,
         "progressReporting": _obj({"enabled": BOOL, "rbac": _obj({"create": BOOL})}),
     }
 

@@ -70,10 +70,20 @@ def _arg_defaults(args: str) -> dict[str, str | None]:
 
 
 def substitute(value: str, env: dict[str, str | None]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2)) or "", value)
+    """Docker's ARG substitution: $VAR, ${VAR}, ${VAR:-default} and ${VAR:+alternative}."""
+    def one(m: re.Match) -> str:
+        name, op, word = m.group(1) or m.group(4), m.group(2), m.group(3) or ""
+        current = env.get(name) or ""
+        if op == ":+":
+            return word if current else ""
+        if op == ":-":
+            return current or word
+        return current
+
+    return re.sub(r"\$\{(\w+)(?:(:[-+])([^}]*))?\}|\$(\w+)", one, value)
 
 
-def read_dockerfile(path: Path) -> dict:
+def read_dockerfile(path: Path, build_args: dict[str, str] | None = None) -> dict:
     """Global ARG defaults, the FROM image with them substituted, the stage's ARG defaults, LABELs, and the rest."""
     items = instructions(path.read_text())
     global_args: dict[str, str | None] = {}
@@ -85,11 +95,12 @@ def read_dockerfile(path: Path) -> dict:
             (stage_args if base else global_args).update(_arg_defaults(args))
         elif keyword == "FROM":
             assert base is None, "one stage is expected"
-            base = substitute(args.split()[0], global_args)
+            base = substitute(args.split()[0], {**global_args, **(build_args or {})})
         elif keyword == "LABEL":
             for key, value in re.findall(r'([\w.\-]+)="([^"]*)"', args):
                 labels[key] = value
-    return {"global_args": global_args, "base": base, "args": stage_args, "labels": labels, "items": items}
+    return {"global_args": global_args, "base": base, "args": stage_args, "labels": labels, "items": items,
+            "from": next(a.split()[0] for k, a in items if k == "FROM")}
 
 
 # --- versions ----------------------------------------------------------------------------------------
@@ -229,6 +240,43 @@ def test_hadolint_flags_a_bad_copy(tmp_path):
     out = subprocess.run([_hadolint(), "--no-color", *HADOLINT_ARGS, str(bad)], capture_output=True, text=True,
                          timeout=60).stdout
     assert "DL3002" in out and "DL3042" in out, out
+
+
+# The reference grammar of the distribution (docker) library: name[:tag][@digest].
+REFERENCE = re.compile(r"^(?P<name>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+                       r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?$")
+DIGEST = "sha256:" + "ab" * 32
+
+
+def test_base_image_can_be_pinned_by_digest():
+    """BASE_DIGEST (a build argument) turns the base into tag@digest; empty, the tag alone. Both are valid
+    references, and the image's labels record the digest."""
+    plain = read_dockerfile(DOCKERFILE)["base"]
+    pinned = read_dockerfile(DOCKERFILE, {"BASE_DIGEST": DIGEST})["base"]
+    assert REFERENCE.match(plain)["digest"] is None and REFERENCE.match(plain)["tag"]
+    m = REFERENCE.match(pinned)
+    assert m and m["digest"] == DIGEST and pinned == f"{plain}@{DIGEST}", pinned
+    assert read_dockerfile(DOCKERFILE)["global_args"]["BASE_DIGEST"] == ""
+    assert read_dockerfile(DOCKERFILE)["labels"]["org.opencontainers.image.base.digest"] == "${BASE_DIGEST}"
+    assert not REFERENCE.match("ghcr.io/example/ray-finetune:sha256:" + "ab" * 32), "the grammar refuses tag=digest"
+
+
+def test_runtime_user_has_no_sudo():
+    """The base gives uid 1000 passwordless sudo. The final stage, as root, deletes the sudoers line, the sudo group
+    membership and sudo's setuid bit, checks all three, and then switches to the numeric user for good."""
+    items = read_dockerfile(DOCKERFILE)["items"]
+    users = [(i, a) for i, (k, a) in enumerate(items) if k == "USER"]
+    (root_at, root), (user_at, user) = users[-2], users[-1]
+    assert root in ("0", "root") and user == "1000:100"
+    runs = [a for k, a in items[root_at:user_at] if k == "RUN"]
+    assert len(runs) == 1, runs
+    script = runs[0]
+    for removal in ("sed -i '/^ray[[:space:]]/d' /etc/sudoers", "gpasswd -d ray sudo", "chmod u-s"):
+        assert removal in script, removal
+    assert "exit 1" in script and "NOPASSWD" in script, "the build checks that sudo is gone"
+    assert all(k != "RUN" for k, _ in items[user_at:]), "nothing runs as root or as the user after the switch"
+    syntax = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
 
 
 def test_runs_as_numeric_non_root_user():

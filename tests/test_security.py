@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
 import re
+from typing import Any
 
 import pytest
-import yaml
 
 from app.progress import ProgressPublisher
 from fake_k8s import ApiError, FakeKube
-from k8s_support import EXAMPLE_VALUES, by_kind, one, pod_templates, render
+from k8s_support import EXAMPLE_VALUES, cluster_spec, container, one, pod_templates, render
 from test_ops import NS, rayjob
 
 VALUE_SETS = [pytest.param([], id="defaults")] + [pytest.param([p], id=p.stem) for p in EXAMPLE_VALUES]
@@ -117,3 +120,201 @@ def test_the_role_allows_what_the_progress_writer_does(tmp_path, monkeypatch):
         assert codes == {("PATCH", "exp1", 200), ("PATCH", "exp2", 403)}, codes
     finally:
         server.stop()
+
+
+# --- Pod Security "restricted", on every pod the chart makes KubeRay create ----------------------------------
+# The profile's checks (Kubernetes Pod Security Standards, baseline + restricted, version "latest"), over the
+# containers, init containers and ephemeral containers of a pod spec. Returns one line per violation.
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret", "image"}
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                "net.ipv4.tcp_keepalive_probes"}
+SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+
+
+def restricted_violations(template: dict[str, Any]) -> list[str]:
+    spec, annotations = template["spec"], (template.get("metadata") or {}).get("annotations") or {}
+    pod_sc = spec.get("securityContext") or {}
+    containers = [(kind, c) for kind in ("initContainers", "containers", "ephemeralContainers")
+                  for c in spec.get(kind) or []]
+    out = []
+
+    def bad(rule, where, detail):
+        out.append(f"{rule}: {where}: {detail}")
+
+    # baseline
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(field):
+            bad("host namespaces", "pod", f"{field}=true")
+    for where, sc in [("pod", pod_sc)] + [(f"{k}/{c['name']}", c.get("securityContext") or {}) for k, c in containers]:
+        if (sc.get("windowsOptions") or {}).get("hostProcess"):
+            bad("hostProcess", where, "windowsOptions.hostProcess=true")
+        se = sc.get("seLinuxOptions") or {}
+        if se.get("type", "") not in SELINUX_TYPES or se.get("user") or se.get("role"):
+            bad("seLinux", where, f"seLinuxOptions={se}")
+        if (sc.get("appArmorProfile") or {}).get("type", "RuntimeDefault") not in ("RuntimeDefault", "Localhost"):
+            bad("appArmor", where, f"appArmorProfile={sc['appArmorProfile']}")
+        if (sc.get("seccompProfile") or {}).get("type") == "Unconfined":
+            bad("seccompProfile", where, "Unconfined")
+        if sc.get("runAsUser") == 0:
+            bad("runAsUser", where, "0 (root)")
+    for key, value in annotations.items():
+        if key.startswith("container.apparmor.security.beta.kubernetes.io/") and not (
+                value == "runtime/default" or value.startswith("localhost/")):
+            bad("appArmor", "pod", f"{key}={value}")
+    for sysctl in pod_sc.get("sysctls") or []:
+        if sysctl["name"] not in SAFE_SYSCTLS:
+            bad("sysctls", "pod", sysctl["name"])
+    for vol in spec.get("volumes") or []:
+        kinds = set(vol) - {"name"}
+        if "hostPath" in kinds:
+            bad("hostPath volumes", "pod", vol["name"])
+        if not kinds <= RESTRICTED_VOLUMES:
+            bad("volume types", "pod", f"{vol['name']}: {sorted(kinds - RESTRICTED_VOLUMES)}")
+    pod_non_root = pod_sc.get("runAsNonRoot") is True
+    pod_seccomp = (pod_sc.get("seccompProfile") or {}).get("type") in ("RuntimeDefault", "Localhost")
+    for kind, c in containers:
+        where, sc = f"{kind}/{c['name']}", c.get("securityContext") or {}
+        caps = sc.get("capabilities") or {}
+        if sc.get("privileged"):
+            bad("privileged", where, "privileged=true")
+        if sc.get("procMount", "Default") != "Default":
+            bad("procMount", where, sc["procMount"])
+        if any(p.get("hostPort") for p in c.get("ports") or []):
+            bad("hostPorts", where, [p["hostPort"] for p in c["ports"] if p.get("hostPort")])
+        if set(caps.get("add") or []) - BASELINE_CAPABILITIES:
+            bad("capabilities (baseline)", where, f"add {caps['add']}")
+        # restricted
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad("allowPrivilegeEscalation", where, f"must be false, is {sc.get('allowPrivilegeEscalation')}")
+        if sc.get("runAsNonRoot") is False or not (pod_non_root or sc.get("runAsNonRoot") is True):
+            bad("runAsNonRoot", where, f"must be true (pod {pod_sc.get('runAsNonRoot')}, container {sc.get('runAsNonRoot')})")
+        seccomp = (sc.get("seccompProfile") or {}).get("type")
+        if not (seccomp in ("RuntimeDefault", "Localhost") or (seccomp is None and pod_seccomp)):
+            bad("seccompProfile", where, f"must be RuntimeDefault or Localhost (pod {pod_seccomp}, container {seccomp})")
+        if "ALL" not in (caps.get("drop") or []):
+            bad("capabilities", where, f"must drop ALL, drops {caps.get('drop')}")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            bad("capabilities", where, f"may add only NET_BIND_SERVICE, adds {caps['add']}")
+    return out
+
+
+def as_created(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The pod templates with what KubeRay 1.7 adds before it creates the pods: the workers' wait-gcs-ready init
+    container (it copies the worker container's securityContext), the autoscaler sidecar on the head (its
+    securityContext from autoscalerOptions) and, in SidecarMode, the submitter container in the head pod
+    (KubeRay builds it with no securityContext), plus the /tmp/ray emptyDir the autoscaler needs."""
+    spec, job = cluster_spec(objects), one(objects, "RayJob")["spec"]
+    out = {}
+    for role, tpl in pod_templates(objects).items():
+        tpl = copy.deepcopy(tpl)
+        containers, volumes = tpl["spec"]["containers"], tpl["spec"].setdefault("volumes", [])
+        if role.startswith("worker/"):
+            ray = containers[0]
+            tpl["spec"].setdefault("initContainers", []).append({
+                "name": "wait-gcs-ready", "image": ray["image"], "command": ["/bin/bash", "-lc", "--"],
+                "securityContext": copy.deepcopy(ray.get("securityContext")), "env": ray.get("env", []),
+                "volumeMounts": ray.get("volumeMounts", [])})
+        if role == "head" and spec.get("enableInTreeAutoscaling"):
+            containers.append({"name": "autoscaler", "image": containers[0]["image"],
+                               "securityContext": copy.deepcopy((spec.get("autoscalerOptions") or {}).get("securityContext"))})
+            if not any(v["name"] == "ray-logs" for v in volumes):
+                volumes.append({"name": "ray-logs", "emptyDir": {}})
+        if role == "head" and job.get("submissionMode") == "SidecarMode":
+            containers.append({"name": "ray-job-submitter", "image": containers[0]["image"]})
+        out[role] = tpl
+    return out
+
+
+RESTRICTED_CASES = {
+    **{f"example-{p.stem}": ([p], [], []) for p in EXAMPLE_VALUES},
+    "defaults": ([], [], []),
+    "autoscaling": ([], ["autoscaling.enabled=true", "workers.gpu.maxReplicas=4"], []),
+    "persistent-http-no-rbac": ([], ["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode",
+                                     "progressReporting.rbac.create=false"], []),
+    "cpu-training-extra-group": ([], ["training.scaling.use_gpu=false", "workers.gpu.gpus=0"],
+                                 ['workers.cpu={"replicas": 2, "resources": {"requests": {"cpu": "4"}}}']),
+}
+
+
+@pytest.mark.parametrize("case", list(RESTRICTED_CASES))
+def test_every_pod_passes_pod_security_restricted(case):
+    values, sets, set_json = RESTRICTED_CASES[case]
+    pods = as_created(render(values, sets, set_json))
+    assert {"head", "worker/gpu"} <= set(pods)
+    for role, tpl in pods.items():
+        assert restricted_violations(tpl) == [], f"{case} {role}:\n" + json.dumps(tpl["spec"], indent=1)[:3000]
+    if "submitter" in pods:
+        assert container(pods["submitter"])["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_sidecar_mode_cannot_pass_restricted():
+    """KubeRay builds the SidecarMode submitter container itself, with no securityContext: the head pod is then
+    refused by a "restricted" namespace. The chart says so (NOTES, docs/kubernetes.md) instead of hiding it."""
+    pods = as_created(render(sets=["rayJob.submissionMode=SidecarMode"]))
+    problems = restricted_violations(pods["head"])
+    assert problems and all("containers/ray-job-submitter" in p for p in problems), problems
+
+
+def test_group_security_contexts_merge_over_the_chart_wide_ones():
+    objects = render(set_json=['workers.gpu.securityContext={"runAsUser": 2000}',
+                               'head.podSecurityContext={"fsGroup": 2000}',
+                               'rayJob.submitter.securityContext={"capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}'])
+    pods = as_created(objects)
+    worker_sc = container(pods["worker/gpu"])["securityContext"]
+    assert worker_sc["runAsUser"] == 2000 and worker_sc["allowPrivilegeEscalation"] is False
+    assert pods["worker/gpu"]["spec"]["initContainers"][0]["securityContext"] == worker_sc
+    assert "runAsUser" not in container(pods["head"])["securityContext"]
+    assert pods["head"]["spec"]["securityContext"]["fsGroup"] == 2000
+    assert pods["worker/gpu"]["spec"]["securityContext"]["fsGroup"] == 100
+    assert container(pods["submitter"])["securityContext"]["capabilities"]["add"] == ["NET_BIND_SERVICE"]
+    for role, tpl in pods.items():
+        assert restricted_violations(tpl) == [], role
+
+
+VIOLATIONS = {  # a change to a passing pod -> the rule that must catch it
+    "host network": (lambda p: p["spec"].update(hostNetwork=True), "host namespaces"),
+    "host pid": (lambda p: p["spec"].update(hostPID=True), "host namespaces"),
+    "hostPath": (lambda p: p["spec"]["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath volumes"),
+    "nfs volume": (lambda p: p["spec"]["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}), "volume types"),
+    "privileged": (lambda p: sc(p).update(privileged=True), "privileged"),
+    "escalation unset": (lambda p: sc(p).pop("allowPrivilegeEscalation"), "allowPrivilegeEscalation"),
+    "escalation true": (lambda p: sc(p).update(allowPrivilegeEscalation=True), "allowPrivilegeEscalation"),
+    "root allowed": (lambda p: (sc(p).pop("runAsNonRoot"), p["spec"]["securityContext"].pop("runAsNonRoot")), "runAsNonRoot"),
+    "container non-root false": (lambda p: sc(p).update(runAsNonRoot=False), "runAsNonRoot"),
+    "uid 0": (lambda p: p["spec"]["securityContext"].update(runAsUser=0), "runAsUser"),
+    "no seccomp": (lambda p: (sc(p).pop("seccompProfile"), p["spec"]["securityContext"].pop("seccompProfile")), "seccompProfile"),
+    "unconfined": (lambda p: sc(p).update(seccompProfile={"type": "Unconfined"}), "seccompProfile"),
+    "caps kept": (lambda p: sc(p).pop("capabilities"), "capabilities"),
+    "cap added": (lambda p: sc(p)["capabilities"].update(add=["SYS_ADMIN"]), "capabilities"),
+    "cap NET_RAW": (lambda p: sc(p)["capabilities"].update(add=["NET_RAW"]), "capabilities"),
+    "host port": (lambda p: p["spec"]["containers"][0]["ports"].append({"containerPort": 1, "hostPort": 80}), "hostPorts"),
+    "proc mount": (lambda p: sc(p).update(procMount="Unmasked"), "procMount"),
+    "sysctl": (lambda p: p["spec"]["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]), "sysctls"),
+    "selinux user": (lambda p: sc(p).update(seLinuxOptions={"user": "root"}), "seLinux"),
+    "apparmor": (lambda p: sc(p).update(appArmorProfile={"type": "Unconfined"}), "appArmor"),
+    "init container": (lambda p: p["spec"].setdefault("initContainers", []).append({"name": "i"}), "allowPrivilegeEscalation"),
+}
+
+
+@functools.cache
+def default_head() -> dict[str, Any]:
+    return as_created(render())["head"]
+
+
+def sc(pod: dict[str, Any]) -> dict[str, Any]:
+    return pod["spec"]["containers"][0]["securityContext"]
+
+
+@pytest.mark.parametrize("case", list(VIOLATIONS))
+def test_the_restricted_check_catches_each_rule(case):
+    change, rule = VIOLATIONS[case]
+    pod = copy.deepcopy(default_head())
+    assert restricted_violations(pod) == []
+    change(pod)
+    assert any(p.startswith(rule + ":") for p in restricted_violations(pod)), (case, restricted_violations(pod))

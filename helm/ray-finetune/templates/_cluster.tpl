@@ -117,6 +117,10 @@ authOptions:
 {{- end }}
 {{- if .Values.autoscaling.enabled }}
 enableInTreeAutoscaling: true
+# The autoscaler sidecar KubeRay adds to the head pod: the head container's securityContext.
+autoscalerOptions:
+  securityContext:
+    {{- include "ray-finetune.securityContext" (dict "base" .Values.securityContext "group" $h.securityContext) | nindent 4 }}
 {{- end }}
 headGroupSpec:
   rayStartParams:
@@ -137,15 +141,15 @@ headGroupSpec:
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with .Values.podSecurityContext }}
       securityContext:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
+        {{- include "ray-finetune.securityContext" (dict "base" .Values.podSecurityContext "group" $h.podSecurityContext) | nindent 8 }}
       {{- with include "ray-finetune.scheduling" $h | trim }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: ray-head
           image: {{ include "ray-finetune.image" (dict "root" . "override" $h.image) }}
           imagePullPolicy: {{ .Values.image.pullPolicy }}
+          securityContext:
+            {{- include "ray-finetune.securityContext" (dict "base" .Values.securityContext "group" $h.securityContext) | nindent 12 }}
           ports:
             - containerPort: 6379
               name: gcs-server
@@ -211,15 +215,16 @@ workerGroupSpecs:
         imagePullSecrets:
           {{- toYaml . | nindent 10 }}
         {{- end }}
-        {{- with $root.Values.podSecurityContext }}
         securityContext:
-          {{- toYaml . | nindent 10 }}
-        {{- end }}
+          {{- include "ray-finetune.securityContext" (dict "base" $root.Values.podSecurityContext "group" $g.podSecurityContext) | nindent 10 }}
         {{- with include "ray-finetune.scheduling" $g | trim }}{{ . | nindent 8 }}{{ end }}
         containers:
           - name: ray-worker
             image: {{ include "ray-finetune.image" (dict "root" $root "override" $g.image) }}
             imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+            # KubeRay's wait-gcs-ready init container copies this securityContext.
+            securityContext:
+              {{- include "ray-finetune.securityContext" (dict "base" $root.Values.securityContext "group" $g.securityContext) | nindent 14 }}
             env:
               {{- include "ray-finetune.commonEnv" $root | nindent 14 }}
               {{- with $g.env }}

@@ -83,6 +83,14 @@ Ray Train workers: training.scaling.num_workers when set, else one per GPU of th
 {{- end -}}
 {{- end }}
 
+{{/*
+A securityContext: the chart-wide one (podSecurityContext or securityContext) with a group's keys merged over
+it. Call with (dict "base" .Values.securityContext "group" .Values.head.securityContext).
+*/}}
+{{- define "ray-finetune.securityContext" -}}
+{{- toYaml (mergeOverwrite (deepCopy (.base | default dict)) (deepCopy (.group | default dict))) -}}
+{{- end }}
+
 {{/* The mount path without a trailing slash. */}}
 {{- define "ray-finetune.mountPath" -}}
 {{- $p := trimSuffix "/" .Values.storage.mountPath -}}
