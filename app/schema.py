@@ -79,7 +79,8 @@ QTY = {"type": "string", "pattern": QUANTITY}
 ENV_LIST = {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {"name": STR}}}
 LIST_OF_OBJECTS = {"type": "array", "items": {"type": "object"}}
 RESOURCES = _obj({"requests": {"type": "object"}, "limits": {"type": "object"}, "claims": {"type": "array"}})
-IMAGE_OVERRIDE = _obj({"repository": STR, "tag": {"type": ["string", "number"]}})
+DIGEST = {"type": "string", "pattern": "^(sha256:[a-f0-9]{64})?$", "description": "sha256:<64 hex digits>, or empty"}
+IMAGE_OVERRIDE = _obj({"repository": STR, "tag": {"type": ["string", "number"]}, "digest": DIGEST})
 SCHEDULING = {
     "nodeSelector": STRING_MAP,
     "tolerations": LIST_OF_OBJECTS,
@@ -120,6 +121,7 @@ def kubernetes_properties() -> dict[str, Any]:
         "image": _obj({
             "repository": {"type": "string", "minLength": 1},
             "tag": {"type": ["string", "number"]},
+            "digest": DIGEST,
             "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
         }),
         "imagePullSecrets": {"type": "array", "items": _obj({"name": STR}, required=["name"])},
@@ -145,7 +147,9 @@ def kubernetes_properties() -> dict[str, Any]:
                 "securityContext": FREE_OBJECT,
             }),
         }),
-        "auth": _obj({"mode": {"enum": ["token", "disabled"]}, "secretName": STR}),
+        "auth": _obj({"mode": {"enum": ["token", "disabled"]}, "secretName": STR, "allowDisabled": BOOL}),
+        "networkPolicy": _obj({"enabled": BOOL, "operatorNamespace": STR, "extraIngress": LIST_OF_OBJECTS,
+                               "egress": LIST_OF_OBJECTS}),
         "autoscaling": _obj({"enabled": BOOL}),
         "head": _obj(_pod_group({"serviceAccountName": STR})),
         "workers": {

@@ -187,7 +187,7 @@ VARIANTS = {
     "sidecar-suspended-queue": (["rayJob.submissionMode=SidecarMode", "rayJob.suspend=true",
                                  "rayJob.queueName=gpu-queue", "rayJob.activeDeadlineSeconds=3600"], {}),
     "no-rbac-no-auth": (["progressReporting.rbac.create=false", "head.serviceAccountName=ml-runner",
-                         "auth.mode=disabled"], {}),
+                         "auth.mode=disabled", "auth.allowDisabled=true"], {}),
     "autoscaling-groups": (["autoscaling.enabled=true", "workers.gpu.maxReplicas=4", "workers.gpu.minReplicas=1"],
                            {"workers.big": {"replicas": 1, "maxReplicas": 1, "numOfHosts": 2, "gpus": 4,
                                             "gpuResource": "amd.com/gpu", "image": {"tag": "0.1.0-rocm"}},
@@ -276,6 +276,12 @@ BAD_VALUES = {
     "eval-both": ({"training": {"data": {"eval_split": "test", "eval_fraction": 0.1}}}, "training.data"),
     "bad-quantity": ({"storage": {"size": "lots"}}, "/storage/size"),
     "bad-nccl-env": ({"ncclEnv": {"DEBUG": "INFO"}}, "ncclEnv.DEBUG"),
+    "auth-disabled-unacknowledged": ({"auth": {"mode": "disabled"}}, "auth.mode: disabled lets anything"),
+    "digest-as-tag": ({"image": {"tag": "sha256:" + "ab" * 32}}, "image.tag: \"sha256:abab"),
+    "group-digest-as-tag": ({"workers": {"gpu": {"image": {"tag": "sha256:" + "ab" * 32}}}},
+                            "Fix: --set workers.gpu.image.digest=sha256:"),
+    "tag-with-colon": ({"head": {"image": {"tag": "0.1:x"}}}, "head.image.tag: \"0.1:x\" is not a valid image tag"),
+    "short-digest": ({"image": {"digest": "sha256:abc"}}, "/image/digest"),
 }
 
 

@@ -52,7 +52,7 @@ def test_kustomize_renders_k8s_and_every_object_validates(tmp_path):
     assert sorted(o["kind"] for o in objects) == sorted(o["kind"] for o in render())
     validate_all(objects, tmp_path)
     # kubernetes-validate --strict straight on the committed core files, as a user would run it.
-    files = [str(K8S / f) for f in ("pvc.yaml", "configmap.yaml", "rbac.yaml")]
+    files = [str(K8S / f) for f in ("pvc.yaml", "configmap.yaml", "rbac.yaml", "networkpolicy.yaml")]
     out = subprocess.run([tool("kubernetes-validate"), "--strict", *files], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

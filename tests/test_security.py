@@ -13,7 +13,7 @@ import pytest
 
 from app.progress import ProgressPublisher
 from fake_k8s import ApiError, FakeKube
-from k8s_support import EXAMPLE_VALUES, cluster_spec, container, one, pod_templates, render
+from k8s_support import CHART, EXAMPLE_VALUES, cluster_spec, container, helm, one, pod_templates, render
 from test_ops import NS, rayjob
 
 VALUE_SETS = [pytest.param([], id="defaults")] + [pytest.param([p], id=p.stem) for p in EXAMPLE_VALUES]
@@ -318,3 +318,102 @@ def test_the_restricted_check_catches_each_rule(case):
     assert restricted_violations(pod) == []
     change(pod)
     assert any(p.startswith(rule + ":") for p in restricted_violations(pod)), (case, restricted_violations(pod))
+
+
+# --- network policy, authentication, image references -------------------------------------------------------
+
+
+def policy_admits(policy: dict[str, Any], pod_labels: dict[str, str], source_labels: dict[str, str],
+                  source_namespace: str, port: int, namespace: str = "default") -> bool:
+    """NetworkPolicy ingress semantics for a TCP connection to a pod the policy selects (matchLabels only)."""
+    def matches(selector, labels):
+        return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+    assert matches(policy["spec"]["podSelector"], pod_labels)
+    for rule in policy["spec"].get("ingress", []):
+        ports = rule.get("ports")
+        if ports and not any(p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in ports):
+            continue
+        for peer in rule.get("from") or [{}]:
+            ns_ok = (source_namespace == namespace if "namespaceSelector" not in peer
+                     else matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_namespace}))
+            if ns_ok and matches(peer.get("podSelector") or {}, source_labels):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_network_policy_admits_the_experiment_and_the_operator_only(values):
+    objects = render(values, namespace="ml-team")  # the operator stays in its default namespace, "default"
+    policy = one(objects, "NetworkPolicy")
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["spec"]["egress"] == [{}]
+    templates = pod_templates(objects)
+    own = [tpl["metadata"]["labels"] for tpl in templates.values()]  # head, workers, submitter
+    other_exp = {**own[0], "ray-finetune/experiment": "another-run"}
+    for target in own:
+        for source in own:
+            for port in (6379, 8265, 10001, 52365, 12345):  # GCS, dashboard, client, agent, a worker port
+                assert policy_admits(policy, target, source, "ml-team", port, namespace="ml-team")
+        assert not policy_admits(policy, target, other_exp, "ml-team", 6379, namespace="ml-team")
+        assert not policy_admits(policy, target, {}, "ml-team", 8265, namespace="ml-team")
+        assert not policy_admits(policy, target, own[0], "elsewhere", 10001, namespace="ml-team")
+    head = templates["head"]["metadata"]["labels"]
+    # The KubeRay operator (namespace networkPolicy.operatorNamespace) reaches the dashboard and nothing else.
+    operator = {"app.kubernetes.io/name": "kuberay-operator"}
+    assert policy_admits(policy, head, operator, "default", 8265, namespace="ml-team")
+    assert not policy_admits(policy, head, operator, "default", 6379, namespace="ml-team")
+    assert not policy_admits(policy, head, operator, "ray-system", 8265, namespace="ml-team")
+
+
+def test_network_policy_values():
+    objects = render(sets=["networkPolicy.operatorNamespace=ray-system", "head.rayStartParams.dashboard-port=9000"],
+                     set_json=['networkPolicy.egress=[{"ports": [{"port": 53, "protocol": "UDP"}]}]',
+                               'networkPolicy.extraIngress=[{"from": [{"namespaceSelector": {"matchLabels": '
+                               '{"kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": 8080}]}]'])
+    policy = one(objects, "NetworkPolicy")
+    head = pod_templates(objects)["head"]
+    labels = head["metadata"]["labels"]
+    assert policy_admits(policy, labels, {}, "ray-system", 9000)
+    assert not policy_admits(policy, labels, {}, "ray-system", 8265)
+    assert {"containerPort": 9000, "name": "dashboard"} in container(head)["ports"]
+    assert policy_admits(policy, labels, {}, "monitoring", 8080)
+    assert policy["spec"]["egress"] == [{"ports": [{"port": 53, "protocol": "UDP"}]}]
+    assert not [o for o in render(sets=["networkPolicy.enabled=false"]) if o["kind"] == "NetworkPolicy"]
+
+
+def notes(*sets: str) -> str:
+    args = ["install", "exp1", str(CHART), "--dry-run=client"] + [a for s in sets for a in ("--set", s)]
+    return helm(*args).stdout.split("NOTES:", 1)[1]
+
+
+def test_notes_warn_about_weakened_defaults():
+    assert "WARNING" not in notes()
+    text = notes("auth.mode=disabled", "auth.allowDisabled=true")
+    assert "WARNING: auth.mode=disabled" in text and "The NetworkPolicy limits that" in text
+    text = notes("auth.mode=disabled", "auth.allowDisabled=true", "networkPolicy.enabled=false")
+    assert "that is every pod that can reach these pods" in text and "WARNING: networkPolicy.enabled=false" in text
+    assert "Pod Security \"restricted\" refuses the head pod" in notes("rayJob.submissionMode=SidecarMode")
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+REFERENCE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
+                       r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+
+
+def test_image_digest_renders_valid_references():
+    def images(*sets):
+        objs = render(sets=list(sets))
+        return {role: container(tpl)["image"] for role, tpl in pod_templates(objs).items()}
+
+    assert set(images().values()) == {"ghcr.io/example/ray-finetune:0.1.0"}
+    pinned = images(f"image.digest={DIGEST}")
+    assert set(pinned.values()) == {f"ghcr.io/example/ray-finetune@{DIGEST}"}
+    # A group that names its own image does not inherit the chart-wide digest; it can carry its own.
+    mixed = images(f"image.digest={DIGEST}", "workers.gpu.image.tag=0.1.0-rocm")
+    assert mixed["worker/gpu"] == "ghcr.io/example/ray-finetune:0.1.0-rocm" and mixed["head"].endswith(DIGEST)
+    own = images("workers.gpu.image.repository=registry.example.com/rocm", f"workers.gpu.image.digest={DIGEST}")
+    assert own["worker/gpu"] == f"registry.example.com/rocm@{DIGEST}"
+    for refs in (pinned, mixed, own):
+        for ref in refs.values():
+            assert REFERENCE.match(ref), ref
+    assert not REFERENCE.match(f"ghcr.io/example/ray-finetune:{DIGEST}")

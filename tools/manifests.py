@@ -29,6 +29,7 @@ FILES = {  # kind -> file
     "ServiceAccount": "rbac.yaml",
     "Role": "rbac.yaml",
     "RoleBinding": "rbac.yaml",
+    "NetworkPolicy": "networkpolicy.yaml",
     "RayCluster": "raycluster.yaml",
     "RayJob": "rayjob.yaml",
 }

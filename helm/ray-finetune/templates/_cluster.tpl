@@ -153,7 +153,7 @@ headGroupSpec:
           ports:
             - containerPort: 6379
               name: gcs-server
-            - containerPort: 8265
+            - containerPort: {{ include "ray-finetune.dashboardPort" . }}
               name: dashboard
             - containerPort: 10001
               name: client

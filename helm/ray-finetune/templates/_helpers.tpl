@@ -29,12 +29,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end }}
 {{- end }}
 
-{{/* image: call with (dict "root" $ "override" .Values.head.image) */}}
+{{/*
+image: call with (dict "root" $ "override" .Values.head.image). repository@digest when a digest is set (the
+override's, else image.digest unless the override names another repository or tag), else repository:tag.
+*/}}
 {{- define "ray-finetune.image" -}}
 {{- $o := .override | default dict -}}
 {{- $repo := $o.repository | default .root.Values.image.repository -}}
 {{- $tag := $o.tag | default .root.Values.image.tag | default .root.Chart.AppVersion -}}
-{{- printf "%s:%s" $repo (toString $tag) -}}
+{{- $digest := $o.digest -}}
+{{- if and (not $digest) (not $o.repository) (not $o.tag) }}{{ $digest = .root.Values.image.digest }}{{ end -}}
+{{- if $digest }}{{ printf "%s@%s" $repo $digest }}{{ else }}{{ printf "%s:%s" $repo (toString $tag) }}{{ end -}}
 {{- end }}
 
 {{/* The worker groups that are enabled, as a list of (dict "name" NAME "spec" SPEC), in name order. */}}
@@ -89,6 +94,22 @@ it. Call with (dict "base" .Values.securityContext "group" .Values.head.security
 */}}
 {{- define "ray-finetune.securityContext" -}}
 {{- toYaml (mergeOverwrite (deepCopy (.base | default dict)) (deepCopy (.group | default dict))) -}}
+{{- end }}
+
+{{/* Fails when an image tag is not a valid tag (e.g. a digest written as tag). Renders nothing. */}}
+{{- define "ray-finetune.checkImage" -}}
+{{- $tag := toString (dig "tag" "" (.image | default dict)) -}}
+{{- if hasPrefix "sha256:" $tag }}
+{{- fail (printf "%s.tag: %q is a digest, and repository:sha256:... is not a valid image reference. Fix: --set %s.digest=%s and leave %s.tag empty" .where $tag .where $tag .where) }}
+{{- end }}
+{{- if and $tag (not (regexMatch "^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$" $tag)) }}
+{{- fail (printf "%s.tag: %q is not a valid image tag (letters, digits, '_', '.', '-'; at most 128; no ':' or '@'). Fix: the tag alone, e.g. 0.1.0, and a digest in %s.digest" .where $tag .where) }}
+{{- end }}
+{{- end }}
+
+{{/* The head's dashboard port (Ray's default 8265, or head.rayStartParams.dashboard-port). */}}
+{{- define "ray-finetune.dashboardPort" -}}
+{{- int (dig "dashboard-port" 8265 (.Values.head.rayStartParams | default dict)) -}}
 {{- end }}
 
 {{/* The mount path without a trailing slash. */}}
