@@ -10,6 +10,7 @@ import errno
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ log = logging.getLogger("finetune")
 # Environment the workers need to see, whether Ray started here or runs on a cluster.
 PASSTHROUGH_PREFIXES = ("HF_", "HUGGING_FACE", "TRANSFORMERS_", "NCCL_", "TORCH_", "CUDA_", "DS_", "OMP_",
                         "FINETUNE_")  # progress reporting (FINETUNE_RAYJOB_*) and test-only hooks
+# Never passed on: Ray's runtime environment is readable by anyone who reaches the dashboard (`ray list
+# runtime-envs`). Workers get such variables from their own environment (on KubeRay: the Secret, via the chart).
+SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$)", re.IGNORECASE)
 
 
 def storage_problems(storage_path: str) -> list[Problem]:
@@ -157,7 +161,7 @@ def check(cfg: TrainingConfig, offline: bool = True) -> tuple[dict[str, Any], st
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith(PASSTHROUGH_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if k.startswith(PASSTHROUGH_PREFIXES) and not SECRET_NAME.search(k)}
     if not cfg.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env

@@ -417,3 +417,60 @@ def test_image_digest_renders_valid_references():
         for ref in refs.values():
             assert REFERENCE.match(ref), ref
     assert not REFERENCE.match(f"ghcr.io/example/ray-finetune:{DIGEST}")
+
+
+# --- secrets: never a literal in the RayJob, the ConfigMap or Ray's runtime environment ----------------------
+
+SECRET_LIKE = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD",
+               "GOOGLE_APPLICATION_CREDENTIALS", "api_key", "token"]
+NOT_SECRET = ["HF_HOME", "TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "KEYBOARD", "MONKEY_PATCH", "HF_HUB_OFFLINE"]
+
+
+def test_chart_and_app_agree_on_what_looks_like_a_secret():
+    from app.driver import SECRET_NAME
+
+    for name in SECRET_LIKE + NOT_SECRET:
+        out = helm("template", "x", str(CHART), "--set-json", json.dumps([{"name": name, "value": "v"}]).join(
+            ["env=", ""]), check=False)
+        assert (out.returncode != 0) == bool(SECRET_NAME.search(name)) == (name in SECRET_LIKE), (name, out.stderr)
+        if out.returncode:
+            assert f"env[0]: {name} has a literal value" in out.stderr and "valueFrom" in out.stderr
+
+
+@pytest.mark.parametrize("where, value, named", [
+    ("head.env", [{"name": "HF_TOKEN", "value": "hf_x"}], "head.env[0]: HF_TOKEN"),
+    ("workers.gpu.env", [{"name": "A", "value": "1"}, {"name": "WANDB_API_KEY", "value": "k"}],
+     "workers.gpu.env[1]: WANDB_API_KEY"),
+    ("training.deepspeed.comet", {"enabled": True, "api_key": "k"}, "training.deepspeed.comet.api_key: a literal secret"),
+    ("training.deepspeed.monitors", [{"wandb": {"token": "t"}}], "training.deepspeed.monitors[0].wandb.token"),
+])
+def test_literal_secrets_fail_naming_the_value_and_the_fix(where, value, named):
+    out = helm("template", "x", str(CHART), "--set-json", f"{where}={json.dumps(value)}", check=False)
+    assert out.returncode != 0 and named in out.stderr, out.stderr
+    assert "Fix:" in out.stderr and "secretKeyRef" in out.stderr
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_no_literal_secret_in_any_pod_env(values):
+    from app.driver import SECRET_NAME
+
+    for role, tpl in pod_templates(render(values)).items():
+        for c in tpl["spec"]["containers"]:
+            for e in c.get("env", []):
+                if SECRET_NAME.search(e["name"]):
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], (role, e)
+
+
+def test_secrets_stay_out_of_rays_runtime_environment(monkeypatch):
+    """The driver passes HF_*, NCCL_* ... to the workers through Ray's runtime environment, which the dashboard
+    and `ray list runtime-envs` show: tokens and keys are left out (workers read them from their pod's Secret)."""
+    from app.config import TrainingConfig
+    from app.driver import worker_env
+
+    for name in SECRET_LIKE + NOT_SECRET:
+        monkeypatch.setenv(name.upper(), "value-of-" + name)
+    monkeypatch.setenv("HF_API_KEY", "k")
+    env = worker_env(TrainingConfig())
+    assert {"HF_HOME", "NCCL_DEBUG", "HF_HUB_OFFLINE"} <= set(env)
+    assert not {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_KEY"} & set(env), env
+    assert all("value-of-HF_TOKEN" != v for v in env.values())

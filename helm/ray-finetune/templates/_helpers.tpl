@@ -107,6 +107,38 @@ it. Call with (dict "base" .Values.securityContext "group" .Values.head.security
 {{- end }}
 {{- end }}
 
+{{/*
+Names that look like secrets (the app's driver.SECRET_NAME is the same rule: tests/test_security.py compares).
+A literal value under such a name would be readable by anyone who may read the RayJob or the ConfigMap.
+*/}}
+{{- define "ray-finetune.secretName" -}}(?i)(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$){{- end }}
+
+{{/* Fails when an env list (EnvVar) gives a secret-looking variable a literal value. (dict "where" W "env" LIST) */}}
+{{- define "ray-finetune.checkEnv" -}}
+{{- range $i, $e := .env | default list }}
+{{- if and (regexMatch (include "ray-finetune.secretName" "") (toString $e.name)) (hasKey $e "value") }}
+{{- fail (printf "%s[%d]: %s has a literal value, which would be readable by anyone who may read the RayJob (kubectl get rayjob -o yaml). Fix: put it in a Secret and use valueFrom: {secretKeyRef: {name: SECRET, key: KEY}} instead of value" $.where $i $e.name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Fails when a key that looks like a secret holds a literal string in the training config. (dict "path" P "value" V) */}}
+{{- define "ray-finetune.checkConfigSecrets" -}}
+{{- $path := .path }}
+{{- if kindIs "map" .value }}
+{{- range $k, $v := .value }}
+{{- if and (regexMatch (include "ray-finetune.secretName" "") $k) (kindIs "string" $v) $v }}
+{{- fail (printf "%s.%s: a literal secret in the training config lands in the ConfigMap, readable by anyone who may read ConfigMaps. Fix: leave it out and give the variable the library reads (e.g. COMET_API_KEY, WANDB_API_KEY) through env with valueFrom.secretKeyRef" $path $k) }}
+{{- end }}
+{{- include "ray-finetune.checkConfigSecrets" (dict "path" (printf "%s.%s" $path $k) "value" $v) }}
+{{- end }}
+{{- else if kindIs "slice" .value }}
+{{- range $i, $v := .value }}
+{{- include "ray-finetune.checkConfigSecrets" (dict "path" (printf "%s[%d]" $path $i) "value" $v) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The head's dashboard port (Ray's default 8265, or head.rayStartParams.dashboard-port). */}}
 {{- define "ray-finetune.dashboardPort" -}}
 {{- int (dig "dashboard-port" 8265 (.Values.head.rayStartParams | default dict)) -}}
