@@ -94,6 +94,7 @@ def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
         "rayStartParams": SCALAR_MAP,
         "resources": RESOURCES,
         "shmSize": QTY,
+        "tmpSize": QTY,
         **SCHEDULING,
         "env": ENV_LIST,
         "extraVolumes": LIST_OF_OBJECTS,

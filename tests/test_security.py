@@ -474,3 +474,37 @@ def test_secrets_stay_out_of_rays_runtime_environment(monkeypatch):
     assert {"HF_HOME", "NCCL_DEBUG", "HF_HUB_OFFLINE"} <= set(env)
     assert not {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_KEY"} & set(env), env
     assert all("value-of-HF_TOKEN" != v for v in env.values())
+
+
+# --- node disk: /tmp/ray bounded, ephemeral storage requested ------------------------------------------------
+
+
+@pytest.mark.parametrize("values", VALUE_SETS)
+def test_tmp_ray_is_a_bounded_emptydir_and_pods_request_ephemeral_storage(values):
+    objects = render(values)
+    for role, tpl in pod_templates(objects).items():
+        requests = container(tpl)["resources"]["requests"]
+        assert requests.get("ephemeral-storage"), role
+        if role == "submitter":
+            continue
+        mounts = {m["mountPath"]: m["name"] for m in container(tpl)["volumeMounts"]}
+        volume = next(v for v in tpl["spec"]["volumes"] if v["name"] == mounts["/tmp/ray"])
+        assert volume["name"] == "ray-logs", "KubeRay's autoscaler sidecar shares the volume of that name"
+        assert set(volume["emptyDir"]) == {"sizeLimit"}, "on disk, not in memory"
+        assert requests["ephemeral-storage"] == volume["emptyDir"]["sizeLimit"], role
+
+
+def test_tmp_size_and_an_explicit_ephemeral_request():
+    objects = render(sets=["workers.gpu.tmpSize=200Gi", "head.resources.requests.ephemeral-storage=30Gi"])
+    templates = pod_templates(objects)
+    worker = container(templates["worker/gpu"])
+    assert worker["resources"]["requests"]["ephemeral-storage"] == "200Gi"
+    assert "ephemeral-storage" not in worker["resources"].get("limits", {}), "no limit: a limit evicts"
+    assert container(templates["head"])["resources"]["requests"]["ephemeral-storage"] == "30Gi"
+    vols = {v["name"]: v for v in templates["head"]["spec"]["volumes"]}
+    assert vols["ray-logs"]["emptyDir"]["sizeLimit"] == "20Gi"
+
+
+def test_readwritemany_or_an_existing_claim():
+    assert render(sets=["storage.create=false", "storage.existingClaim=rwx"])  # its mode is the admin's business
+    assert render(set_json=['storage.accessModes=["ReadWriteMany", "ReadWriteOnce"]'])

@@ -36,7 +36,11 @@ which is also training.experiment.storage_path) and the config read-only.
 {{- end }}
 {{- end }}
 
-{{/* Volumes of head and workers: the config, the checkpoint volume and /dev/shm of the given size. */}}
+{{/*
+Volumes of head and workers: the config, the checkpoint volume, /dev/shm of the given size and /tmp/ray, an
+emptyDir with a size limit (Ray's logs and spilled objects would otherwise fill the container's writable
+layer without bound). It is named ray-logs, as the one KubeRay adds for the autoscaler, which then shares it.
+*/}}
 {{- define "ray-finetune.volumes" -}}
 - name: config
   configMap:
@@ -48,6 +52,9 @@ which is also training.experiment.storage_path) and the config read-only.
   emptyDir:
     medium: Memory
     sizeLimit: {{ .shmSize | quote }}
+- name: ray-logs
+  emptyDir:
+    sizeLimit: {{ .tmpSize | quote }}
 {{- with .extra }}
 {{ toYaml . }}
 {{- end }}
@@ -61,6 +68,8 @@ which is also training.experiment.storage_path) and the config read-only.
   mountPath: {{ include "ray-finetune.mountPath" .root }}
 - name: dshm
   mountPath: /dev/shm
+- name: ray-logs
+  mountPath: /tmp/ray
 {{- with .extra }}
 {{ toYaml . }}
 {{- end }}
@@ -172,11 +181,11 @@ headGroupSpec:
             {{- toYaml . | nindent 12 }}
             {{- end }}
           resources:
-            {{- toYaml $h.resources | nindent 12 }}
+            {{- include "ray-finetune.resources" (dict "resources" $h.resources "tmpSize" ($h.tmpSize | default "20Gi")) | nindent 12 }}
           volumeMounts:
             {{- include "ray-finetune.volumeMounts" (dict "root" . "extra" $h.extraVolumeMounts) | nindent 12 }}
       volumes:
-        {{- include "ray-finetune.volumes" (dict "root" . "shmSize" $h.shmSize "extra" $h.extraVolumes) | nindent 8 }}
+        {{- include "ray-finetune.volumes" (dict "root" . "shmSize" $h.shmSize "tmpSize" ($h.tmpSize | default "20Gi") "extra" $h.extraVolumes) | nindent 8 }}
 workerGroupSpecs:
 {{- range (include "ray-finetune.groups" . | fromJsonArray) }}
 {{- $g := .spec }}
@@ -231,10 +240,10 @@ workerGroupSpecs:
               {{- toYaml . | nindent 14 }}
               {{- end }}
             resources:
-              {{- toYaml $res | nindent 14 }}
+              {{- include "ray-finetune.resources" (dict "resources" $res "tmpSize" ($g.tmpSize | default "50Gi")) | nindent 14 }}
             volumeMounts:
               {{- include "ray-finetune.volumeMounts" (dict "root" $root "extra" $g.extraVolumeMounts) | nindent 14 }}
         volumes:
-          {{- include "ray-finetune.volumes" (dict "root" $root "shmSize" ($g.shmSize | default "16Gi") "extra" $g.extraVolumes) | nindent 10 }}
+          {{- include "ray-finetune.volumes" (dict "root" $root "shmSize" ($g.shmSize | default "16Gi") "tmpSize" ($g.tmpSize | default "50Gi") "extra" $g.extraVolumes) | nindent 10 }}
 {{- end }}
 {{- end }}

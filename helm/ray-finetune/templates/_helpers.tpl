@@ -139,6 +139,18 @@ A literal value under such a name would be readable by anyone who may read the R
 {{- end }}
 {{- end }}
 
+{{/*
+A Ray container's resources: as given, plus an ephemeral-storage request of the /tmp/ray size when the
+requests name none, so the scheduler places the pod where its logs and spills fit. No limit is added.
+*/}}
+{{- define "ray-finetune.resources" -}}
+{{- $res := deepCopy (.resources | default dict) -}}
+{{- $req := $res.requests | default dict -}}
+{{- if not (hasKey $req "ephemeral-storage") }}{{ $_ := set $req "ephemeral-storage" .tmpSize }}{{ end -}}
+{{- $_ := set $res "requests" $req -}}
+{{- toYaml $res -}}
+{{- end }}
+
 {{/* The head's dashboard port (Ray's default 8265, or head.rayStartParams.dashboard-port). */}}
 {{- define "ray-finetune.dashboardPort" -}}
 {{- int (dig "dashboard-port" 8265 (.Values.head.rayStartParams | default dict)) -}}
