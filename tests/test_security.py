@@ -217,9 +217,10 @@ def as_created(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if role.startswith("worker/"):
             ray = containers[0]
             tpl["spec"].setdefault("initContainers", []).append({
-                "name": "wait-gcs-ready", "image": ray["image"], "command": ["/bin/bash", "-lc", "--"],
-                "securityContext": copy.deepcopy(ray.get("securityContext")), "env": ray.get("env", []),
-                "volumeMounts": ray.get("volumeMounts", [])})
+                "name": "wait-gcs-ready", "image": ray["image"], "imagePullPolicy": ray.get("imagePullPolicy"),
+                "command": ["/bin/bash", "-lc", "--"], "securityContext": copy.deepcopy(ray.get("securityContext")),
+                "env": ray.get("env", []), "volumeMounts": ray.get("volumeMounts", []),
+                "resources": {"limits": {"cpu": "200m", "memory": "256Mi"}, "requests": {"cpu": "200m", "memory": "256Mi"}}})
         if role == "head" and spec.get("enableInTreeAutoscaling"):
             containers.append({"name": "autoscaler", "image": containers[0]["image"],
                                "securityContext": copy.deepcopy((spec.get("autoscalerOptions") or {}).get("securityContext"))})
