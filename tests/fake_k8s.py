@@ -21,7 +21,7 @@ resourceVersion) and, when the object has finalizers or propagationPolicy=Foregr
 name that is still terminating answers 409 AlreadyExists.
 
 Every RayJob body it receives (POST and PUT bodies, and the object that a PATCH produces) is checked against
-the openAPIV3Schema of the KubeRay v1.7.0 RayJob CRD (env KUBERAY_CRDS_DIR, default ../shared/kuberay/v1.7.0):
+the openAPIV3Schema of the KubeRay RayJob CRD (k8s_support.crds_dir(): the operator module's own CRDs):
 types, enums, patterns and formats through jsonschema, and unknown fields rejected as with
 fieldValidation=Strict (the real default, Warn, would drop them silently). CEL rules (x-kubernetes-validations)
 are not evaluated. A failed check answers 422 Invalid and is also kept in `schema_errors` for tests.
@@ -50,6 +50,8 @@ from urllib.parse import parse_qs, urlsplit
 import jsonschema
 import yaml
 
+import k8s_support
+
 REPO = Path(__file__).resolve().parents[1]
 CRD_FILE = "ray.io_rayjobs.yaml"
 TOKEN = "fake-token-for-tests"
@@ -62,10 +64,9 @@ SERVER_METADATA = ("uid", "resourceVersion", "generation", "creationTimestamp", 
 
 def crd_path() -> Path:
     folder = os.environ.get("KUBERAY_CRDS_DIR")
-    if folder:
-        path = Path(folder)
-        return path / CRD_FILE if path.is_dir() else path
-    return REPO.parent / "shared" / "kuberay" / "v1.7.0" / CRD_FILE
+    if folder and not Path(folder).is_dir():
+        return Path(folder)  # a path to the file itself
+    return k8s_support.crd_file("RayJob")
 
 
 def load_schema(path: Path | None = None) -> dict:

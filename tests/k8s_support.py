@@ -1,6 +1,10 @@
 """Shared by the chart and manifest tests: the real helm/kubectl binaries, rendering, and validation of
-rendered objects (core objects with kubernetes-validate --strict, Ray objects against the KubeRay v1.7.0 CRD
-schemas with unknown fields as errors, plus KubeRay's own rules that the schemas cannot express)."""
+rendered objects (core objects with kubernetes-validate --strict, Ray objects against the KubeRay CRD schemas
+with unknown fields as errors, plus KubeRay's own rules that the schemas cannot express).
+
+The CRDs come from the KubeRay operator's own Go module (config/crd/bases), the version that
+tools/controlplane/kuberay/go.mod pins and the e2e suite runs, so the unit suite and the real operator check
+against one release and a fresh clone needs nothing outside the repository (KUBERAY_CRDS_DIR overrides)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "ray-finetune"
 K8S = REPO / "k8s"
 EXAMPLE_VALUES = sorted((REPO / "examples").glob("values-*.yaml"))
-CRDS = Path(os.environ.get("KUBERAY_CRDS_DIR", REPO.parent / "shared" / "kuberay" / "v1.7.0"))
+KUBERAY_MODULE_DIR = REPO / "tools" / "controlplane" / "kuberay"
+OPERATOR_MODULE = "github.com/ray-project/kuberay/ray-operator"
 RAY_KINDS = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_RAYJOB_NAME = 47  # KubeRay's MaxRayJobNameLength
@@ -78,6 +83,53 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     found = by_kind(objects, kind)
     assert len(found) == 1, f"expected one {kind}, got {len(found)}"
     return found[0]
+
+
+# --- the KubeRay CRDs ---------------------------------------------------------------------------------------
+
+
+def kuberay_version() -> str:
+    """The operator version tools/controlplane/kuberay/go.mod requires (the one place it is set)."""
+    match = re.search(rf"^require {re.escape(OPERATOR_MODULE)} (v\S+)", (KUBERAY_MODULE_DIR / "go.mod").read_text(), re.M)
+    assert match, f"{KUBERAY_MODULE_DIR / 'go.mod'} does not require {OPERATOR_MODULE} on one line"
+    return match.group(1)
+
+
+class CrdsUnavailable(RuntimeError):
+    pass
+
+
+@functools.cache
+def crds_dir() -> Path:
+    """Folder with ray.io_rayjobs.yaml and ray.io_rayclusters.yaml: KUBERAY_CRDS_DIR, else config/crd/bases
+    of the operator module, fetched into Go's module cache by `go mod download` (checked against go.sum)."""
+    if os.environ.get("KUBERAY_CRDS_DIR"):
+        return Path(os.environ["KUBERAY_CRDS_DIR"])
+    version = kuberay_version()
+    go = shutil.which(os.environ.get("GO", "go"))
+    if not go:
+        raise CrdsUnavailable(f"the KubeRay {version} CRDs come from its Go module and no Go toolchain is on PATH: "
+                              "install Go (https://go.dev/dl), or set KUBERAY_CRDS_DIR to a folder with the CRDs")
+    out = subprocess.run([go, "mod", "download", "-json", f"{OPERATOR_MODULE}@{version}"], cwd=KUBERAY_MODULE_DIR,
+                         capture_output=True, text=True, timeout=600)
+    try:
+        info = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        info = {"Error": out.stderr.strip() or out.stdout.strip()}
+    if out.returncode or info.get("Error") or not info.get("Dir"):
+        raise CrdsUnavailable(f"go mod download {OPERATOR_MODULE}@{version} failed: {info.get('Error')} "
+                              "(is the Go module proxy reachable? or set KUBERAY_CRDS_DIR)")
+    return Path(info["Dir"]) / "config" / "crd" / "bases"
+
+
+def crd_file(kind: str) -> Path:
+    try:
+        path = crds_dir() / RAY_KINDS[kind]
+    except CrdsUnavailable as e:
+        pytest.fail(str(e), pytrace=False)
+    if not path.exists():
+        pytest.fail(f"KubeRay CRD {path} not found (KUBERAY_CRDS_DIR must name a folder with {RAY_KINDS[kind]})")
+    return path
 
 
 # --- the cluster spec, wherever it lives -------------------------------------------------------------------
@@ -151,10 +203,7 @@ def pod_templates_of(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @functools.cache
 def crd_validator(kind: str) -> jsonschema.protocols.Validator:
-    path = CRDS / RAY_KINDS[kind]
-    if not path.exists():
-        pytest.fail(f"KubeRay CRD {path} not found; set KUBERAY_CRDS_DIR to the folder with the v1.7.0 CRDs")
-    crd = yaml.safe_load(path.read_text())
+    crd = yaml.safe_load(crd_file(kind).read_text())
     version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
     schema = strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
     return jsonschema.Draft7Validator(schema)
@@ -183,7 +232,7 @@ def strict(node: Any) -> Any:
 
 def validate_ray(obj: dict[str, Any]) -> None:
     errors = sorted(crd_validator(obj["kind"]).iter_errors(obj), key=lambda e: list(e.path))
-    assert not errors, f"{obj['kind']} {obj['metadata']['name']} breaks the KubeRay v1.7.0 CRD schema:\n" + "\n".join(
+    assert not errors, f"{obj['kind']} {obj['metadata']['name']} breaks the KubeRay {kuberay_version()} CRD schema:\n" + "\n".join(
         f"  {'.'.join(map(str, e.path))}: {e.message}" for e in errors[:20])
     kuberay_rules(obj)
 

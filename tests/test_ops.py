@@ -1,7 +1,8 @@
 """`finetune status / logs / resume` through the real `kubernetes` client against tests/fake_k8s.py.
 
 No Kubernetes API server can run here: the fake serves the REST paths these commands use with the API's
-semantics and checks every RayJob body it receives against the KubeRay v1.7.0 CRD schema.
+semantics and checks every RayJob body it receives against the KubeRay CRD schema
+(k8s_support.crds_dir()).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # resume saves the spec here
     yield server
     server.stop()
-    assert server.schema_errors == [], "a command sent a RayJob the KubeRay v1.7.0 schema rejects"
+    assert server.schema_errors == [], "a command sent a RayJob the KubeRay CRD schema rejects"
 
 
 def finetune(capsys, *argv: str) -> tuple[int, str, str]:
@@ -374,7 +375,7 @@ def test_fake_server_semantics(fake):
 
 def test_chart_rendered_rayjob_is_found_and_resumed(fake, capsys):
     """The contract with the chart: k8s/rayjob.yaml (the chart with its defaults) carries the experiment label
-    these commands select on, passes the v1.7.0 schema, and survives resume unchanged."""
+    these commands select on, passes the CRD schema, and survives resume unchanged."""
     from conftest import REPO
     import yaml
 
