@@ -345,7 +345,7 @@ def policy_admits(policy: dict[str, Any], pod_labels: dict[str, str], source_lab
 
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_network_policy_admits_the_experiment_and_the_operator_only(values):
-    objects = render(values, namespace="ml-team")  # the operator stays in its default namespace, "default"
+    objects = render(values, namespace="ml-team")  # the operator runs in kuberay-system (the default value)
     policy = one(objects, "NetworkPolicy")
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["spec"]["egress"] == [{}]
     templates = pod_templates(objects)
@@ -361,9 +361,9 @@ def test_network_policy_admits_the_experiment_and_the_operator_only(values):
     head = templates["head"]["metadata"]["labels"]
     # The KubeRay operator (namespace networkPolicy.operatorNamespace) reaches the dashboard and nothing else.
     operator = {"app.kubernetes.io/name": "kuberay-operator"}
-    assert policy_admits(policy, head, operator, "default", 8265, namespace="ml-team")
-    assert not policy_admits(policy, head, operator, "default", 6379, namespace="ml-team")
-    assert not policy_admits(policy, head, operator, "ray-system", 8265, namespace="ml-team")
+    assert policy_admits(policy, head, operator, "kuberay-system", 8265, namespace="ml-team")
+    assert not policy_admits(policy, head, operator, "kuberay-system", 6379, namespace="ml-team")
+    assert not policy_admits(policy, head, operator, "default", 8265, namespace="ml-team")
 
 
 def test_network_policy_values():
@@ -509,3 +509,12 @@ def test_tmp_size_and_an_explicit_ephemeral_request():
 def test_readwritemany_or_an_existing_claim():
     assert render(sets=["storage.create=false", "storage.existingClaim=rwx"])  # its mode is the admin's business
     assert render(set_json=['storage.accessModes=["ReadWriteMany", "ReadWriteOnce"]'])
+
+
+def test_docs_have_a_security_section_for_the_cluster_admin():
+    text = (CHART.parents[1] / "docs" / "kubernetes.md").read_text()
+    section = text.split("\n## Security\n", 1)[1].split("\n## ", 1)[0]
+    for needle in ("resourceNames", "automount", "restricted", "SidecarMode", "NetworkPolicy", "operatorNamespace",
+                   "secretKeyRef", "image.digest", "reclaimPolicy: Retain", "Never share a checkpoint claim",
+                   "unpickle", "fsGroup", "NFS", "checkov-accepted.yaml"):
+        assert needle in section, needle
