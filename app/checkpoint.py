@@ -92,7 +92,7 @@ def save(engine, path: Path, state: dict[str, Any], rank: int, barrier, hf_files
         faults.maybe_pause("before_state", step, rank, world, run_dir)
         try:
             # The completion mark, written last: with it, the list of files and sizes that make the checkpoint.
-            _write_atomic(path / STATE_FILE, json.dumps({**state, "files": _manifest(path)}, indent=2))
+            write_atomic(path / STATE_FILE, json.dumps({**state, "files": _manifest(path)}, indent=2))
         except OSError as exc:
             raise _storage_error(exc, path, engine) or exc
         faults.maybe_pause("before_report", step, rank, world, run_dir)
@@ -323,7 +323,7 @@ def repair_ray_snapshot(run_dir: Path) -> list[str]:
                 f"moved it aside to {aside.name}; the run resumes from the newest complete checkpoint on disk"]
     backup = path.with_name(f"{RAY_SNAPSHOT}.bak-{stamp}")
     shutil.copy2(path, backup)
-    _write_atomic(path, json.dumps(snap))
+    write_atomic(path, json.dumps(snap))
     gone = ", ".join(sorted(Path(n).name for n in missing))
     return [f"Ray's record of this experiment's checkpoints names folders that no longer exist ({gone}); Ray would "
             f"refuse to start, so they were dropped from it (backup: {backup.name})"]
@@ -473,7 +473,7 @@ def to_universal(path: Path, rank: int) -> str:
     return UNIVERSAL
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

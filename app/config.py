@@ -11,40 +11,19 @@ import copy
 import difflib
 import re
 import secrets
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.ds_config import RULE, DeepSpeedConfig, tutorial_ds_config
+from app.errors import ConfigError, Problem
+
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_EXPERIMENT_NAME = 40  # leaves room for "-head-xxxxx"-style suffixes in a 47-char RayJob name
 NAME_PREFIX = "deepspeed-sample"
-
-
-class Problem(Exception):
-    """One invalid input: the field, the value, what is wrong and how to fix it."""
-
-    def __init__(self, field: str, value: Any, message: str, fix: str = ""):
-        self.field, self.value, self.message, self.fix = field, value, message, fix
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        text = f"{self.field}: {self.message} (got {_short(self.value)})"
-        return f"{text}. Fix: {self.fix}" if self.fix else text
-
-
-class ConfigError(Exception):
-    """All problems found in one config; the CLI prints one line each and exits 2."""
-
-    def __init__(self, problems: list[Problem]):
-        self.problems = problems
-        super().__init__("\n".join(str(p) for p in problems))
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class Section(BaseModel):
@@ -126,6 +105,10 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
+    # _one_eval_source, for helm: values.schema.json carries it to `helm install`.
+    model_config = ConfigDict(json_schema_extra={"if": {"required": ["eval_split"], "properties": {
+        "eval_split": {"type": "string", "minLength": 1}}}, "then": {"properties": {"eval_fraction": {"maximum": 0}}}})
+
     dataset: str = Field(
         "ag_news",
         description="Hub dataset name, a local file/folder/glob of json, jsonl, csv, parquet or txt, "
@@ -205,31 +188,6 @@ class ScalingConfig(Section):
     )
 
 
-def tutorial_ds_config() -> dict[str, Any]:
-    """The tutorial's DeepSpeed config, with the values it hard-codes turned into "auto"."""
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "fp16": {"enabled": "auto"},
-        "grad_accum_dtype": "bf16",
-        "zero_optimization": {
-            "stage": 3,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": "auto",
-            "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto",
-            # Not the tutorial's: ZeRO-3 fetches each decoder layer whole (see app.ds_config).
-            "leaf_module": {"classes": "auto"},
-        },
-        "steps_per_print": 1_000_000,
-        "wall_clock_breakdown": False,
-    }
-
-
 class TrainingConfig(Section):
     """The whole training config file."""
 
@@ -239,8 +197,8 @@ class TrainingConfig(Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     scaling: ScalingConfig = ScalingConfig()
-    deepspeed: dict[str, Any] = Field(
-        default_factory=tutorial_ds_config,
+    deepspeed: DeepSpeedConfig = Field(
+        default_factory=lambda: DeepSpeedConfig.model_validate(tutorial_ds_config()),
         description='A DeepSpeed config passed through as is; "auto" values are filled from the other sections.',
     )
 
@@ -251,7 +209,7 @@ class TrainingConfig(Section):
 
     @property
     def zero_stage(self) -> int:
-        return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+        return self.deepspeed.zero_stage
 
 
 # --- loading --------------------------------------------------------------------------------------------
@@ -329,6 +287,11 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     loc = [str(p) for p in err["loc"]]
     field = ".".join(loc) or "CONFIG"
     value = err.get("input")
+    if err["type"] == RULE:  # a rule of app.ds_config: its own fix, maybe about a key below this location
+        ctx = err["ctx"]
+        if ctx["field"]:
+            field, value = f"{field}.{ctx['field']}", ctx["value"]
+        return Problem(field, value, err["msg"], ctx["fix"])
     if err["type"] == "extra_forbidden":
         known = _known_keys(loc[:-1])
         guess = difflib.get_close_matches(loc[-1], known, n=1)
@@ -352,11 +315,19 @@ def _known_keys(loc: list[str]) -> list[str]:
     model: type[BaseModel] = TrainingConfig
     for part in loc:
         field = model.model_fields.get(part)
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        found = _model_in(getattr(field, "annotation", None))
+        if found is None:
             return []
-        model = annotation
+        model = found
     return list(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a field annotated `Model` or `Model | None`."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def resolve(cfg: TrainingConfig) -> TrainingConfig:

@@ -21,6 +21,7 @@ from app.lease import Lease
 from app.model import check_seq_length, load_model_config, model_source
 
 log = logging.getLogger("finetune")
+DS_CONFIG_RECORD = "ds_config.json"
 
 # Environment the workers need to see, whether Ray started here or runs on a cluster.
 PASSTHROUGH_PREFIXES = ("HF_", "HUGGING_FACE", "TRANSFORMERS_", "NCCL_", "TORCH_", "CUDA_", "DS_", "OMP_",
@@ -79,7 +80,7 @@ def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks.md, run C):
     refuse it here rather than after the cluster and the model are up."""
     liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
-    if cfg.model.compile and liger and ds_config.zero3(cfg):
+    if cfg.model.compile and liger and cfg.deepspeed.zero3:
         return [Problem("model.compile", True, "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
                         "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
                         "set model.compile=false (the default), or model.liger_kernels=false")]
@@ -124,31 +125,21 @@ def resume_problems(cfg: TrainingConfig) -> list[Problem]:
     return []
 
 
-def deepspeed_shape_problems(cfg: TrainingConfig) -> list[Problem]:
-    """The pass-through deepspeed block must be plain JSON (it becomes DeepSpeed's config file), and the sections
-    that the builder fills must be mappings."""
+def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
+    """The config must be plain JSON data: the deepspeed block becomes DeepSpeed's config file."""
     try:
         json.dumps(cfg.model_dump(mode="json"), ensure_ascii=False).encode()
-        json.dumps(cfg.deepspeed, allow_nan=True)
+        json.dumps(cfg.deepspeed.to_dict(), allow_nan=True)
     except (TypeError, ValueError) as exc:  # a date, bytes, a lone surrogate, a YAML anchor that contains itself
         return [Problem("CONFIG", "...", f"is not plain text and JSON data: {exc}",
                         "use only mappings, lists, UTF-8 strings, numbers, booleans and null (quote dates)")]
-    problems = []
-    for key in ("optimizer", "scheduler"):
-        section = cfg.deepspeed.get(key)
-        if key in cfg.deepspeed and not isinstance(section, dict):
-            problems.append(Problem(f"deepspeed.{key}", section, "must be a mapping with 'type' and 'params'",
-                                    "see DeepSpeed's config docs, or remove it to use the app's AdamW"))
-        elif isinstance(section, dict) and not isinstance(section.get("params", {}), dict):
-            problems.append(Problem(f"deepspeed.{key}.params", section["params"], "must be a mapping",
-                                    "write params as key: value pairs"))
-    return problems
+    return []
 
 
 def check(cfg: TrainingConfig, offline: bool = True) -> tuple[dict[str, Any], str | None]:
     """Every check that can run before the workers start; raises ConfigError with all problems found."""
     problems = resume_problems(cfg)  # first: a changed number of workers may change gradient accumulation
-    problems += ds_config.check(cfg) + deepspeed_shape_problems(cfg) + storage_problems(cfg.experiment.storage_path)
+    problems += ds_config.check(cfg) + plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
     try:
         problems += data.check_source(cfg.data)
     except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
@@ -175,7 +166,18 @@ def run(cfg: TrainingConfig, ds: dict[str, Any]):
 
         for warning in repair_ray_snapshot(cfg.experiment_dir):
             log.warning(f"WARNING: {warning}")
+        record_ds_config(cfg, ds)
         return _fit(cfg, ds)
+
+
+def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
+    """The DeepSpeed config this run resolved, in the log and beside its checkpoints: the one place to read it
+    (the chart does not compute it; `finetune validate` prints it before a run)."""
+    from app.checkpoint import write_atomic
+
+    path = cfg.experiment_dir / DS_CONFIG_RECORD
+    write_atomic(path, json.dumps(ds, indent=2) + "\n")
+    log.info(f"DeepSpeed config (resolved, recorded in {path}): {json.dumps(ds)}")
 
 
 def _fit(cfg: TrainingConfig, ds: dict[str, Any]):

@@ -1,137 +1,334 @@
-"""The DeepSpeed config builder: fills "auto" values the way the Hugging Face integration does.
+"""The `deepspeed` block: its typed model, every rule about it, and the builder that fills "auto" values.
 
-The `deepspeed` section is passed through unchanged except for "auto" values, which come from the other
-sections (batch sizes, clipping, precision), from the model's hidden size (ZeRO-3 bucket sizes) and from its
-layer class (`zero_optimization.leaf_module.classes`: ZeRO-3 fetches each decoder layer whole), and
-the mistakes DeepSpeed would silently accept (offload keys at the top level) are rejected here.
+The block is a DeepSpeed config passed through as is. The parts the app reasons about are typed here (the ZeRO
+stage, the offload sections, the leaf modules, the precision sections, the batch fields, optimizer and
+scheduler); every other key passes through untouched. The rules live here and only here:
+- within the block, as validators of the models below (they fail `parse`, and reach `helm install` through the
+  JSON schema pydantic generates, plus `_SCHEMA_RULES` for the cross-field ones);
+- against the other sections (precision, batch sizes, the worker count) in `check`.
+`build` fills "auto" the way the Hugging Face integration does: from the other sections (batch sizes, clipping,
+precision), from the model's hidden size (bucket sizes) and from its layer class (ZeRO-3 leaf modules).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from app.config import ConfigError, Problem, TrainingConfig
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator, model_serializer,
+                      model_validator)
+from pydantic_core import PydanticCustomError
+
+from app.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from app.config import TrainingConfig
 
 AUTO = "auto"
-OFFLOAD_KEYS = ("offload_param", "offload_optimizer")
+RULE = "deepspeed_rule"  # pydantic error type of the rules below; its ctx carries the fix (and a sub-field)
+LEAF_FIX = "write e.g. leaf_module: {classes: auto} or {classes: [LlamaDecoderLayer]}, or remove it"
 
 
-def check(cfg: TrainingConfig) -> list[Problem]:
-    """Problems in the deepspeed block that can be seen without the model."""
-    ds, problems = cfg.deepspeed, []
-    for key in OFFLOAD_KEYS:
-        if key in ds:
-            problems.append(
-                Problem(
-                    f"deepspeed.{key}",
-                    ds[key],
-                    "offload settings at the top level of the DeepSpeed config are ignored by DeepSpeed",
-                    f"move it to deepspeed.zero_optimization.{key}",
-                )
-            )
-    zero = ds.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        return problems + [Problem("deepspeed.zero_optimization", zero, "must be a mapping", "see DeepSpeed docs")]
-    stage = zero.get("stage", 0)
-    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        problems.append(Problem("deepspeed.zero_optimization.stage", stage, "ZeRO stage must be 0, 1, 2 or 3", "set 0-3"))
-        stage = 3
-    if _offload_device(zero.get("offload_param")) and stage < 3:
-        problems.append(
-            Problem(
-                "deepspeed.zero_optimization.offload_param",
-                zero["offload_param"],
-                f"parameter offload needs ZeRO stage 3, the stage is {stage}",
-                "set deepspeed.zero_optimization.stage=3 or remove offload_param",
-            )
-        )
-    if _offload_device(zero.get("offload_optimizer")) and stage == 0:
-        problems.append(
-            Problem(
-                "deepspeed.zero_optimization.offload_optimizer",
-                zero["offload_optimizer"],
-                "optimizer offload needs ZeRO stage 1, 2 or 3",
-                "raise deepspeed.zero_optimization.stage or remove offload_optimizer",
-            )
-        )
-    leaf = zero.get("leaf_module")
-    if leaf is not None:
-        fix = "write e.g. leaf_module: {classes: auto} or {classes: [LlamaDecoderLayer]}, or remove it"
-        if not isinstance(leaf, dict):
-            problems.append(Problem("deepspeed.zero_optimization.leaf_module", leaf, "must be a mapping", fix))
-        else:
-            for key, value in leaf.items():
-                listed = isinstance(value, (str, list)) and all(isinstance(v, str) for v in (value if isinstance(value, list) else [value]))
-                if key not in ("classes", "names", "name_suffixes") or not listed or (value == AUTO and key != "classes"):
-                    problems.append(Problem(f"deepspeed.zero_optimization.leaf_module.{key}", value,
-                                            "DeepSpeed takes classes, names or name_suffixes, each a list of names "
-                                            "('auto' only for classes)", fix))
-    wanted = {"bf16": cfg.train.precision == "bf16", "fp16": cfg.train.precision == "fp16"}
-    enabled = {}
+def rule(message: str, fix: str, field: str = "", value: Any = None) -> PydanticCustomError:
+    """A rule's failure, as pydantic carries it; `app.config` turns it into a Problem naming `field` (below the
+    validated model's location) and `value`."""
+    # The message goes through str.format with ctx: no braces in it (the fix may hold any).
+    return PydanticCustomError(RULE, message.replace("{", "(").replace("}", ")"),
+                               {"fix": fix, "field": field, "value": value})
+
+
+def _one_error(message: str, fix: str, exact_int: bool = False):
+    """One clear error for a union/literal type instead of one per branch; ints must be ints, not bools or 3.0."""
+
+    def validate(value: Any, handler):
+        if exact_int and type(value) is not int and value != AUTO:
+            raise rule(message, fix)
+        try:
+            return handler(value)
+        except ValidationError:
+            raise rule(message, fix) from None
+
+    return WrapValidator(validate)
+
+
+Auto = Literal["auto"]
+ZeroStage = Annotated[Literal[0, 1, 2, 3], _one_error("ZeRO stage must be 0, 1, 2 or 3", "set 0-3", exact_int=True)]
+AutoBool = Annotated[Annotated[bool, Field(strict=True)] | Auto, _one_error("must be true, false or 'auto'", "use 'auto'")]
+AutoCount = Annotated[Auto | Annotated[int, Field(ge=1, strict=True)],
+                      _one_error("must be a whole number >= 1 or 'auto'", "use 'auto'", exact_int=True)]
+AutoNumber = Annotated[Auto | Annotated[float, Field(ge=0)], _one_error("must be a number >= 0 or 'auto'", "use 'auto'")]
+Names = Annotated[list[str] | str, _one_error("must be a list of names", LEAF_FIX)]
+
+
+class Block(BaseModel):
+    """A DeepSpeed section: typed keys are checked, every other key passes through untouched."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_serializer(mode="wrap")
+    def _as_given(self, handler) -> dict[str, Any]:
+        # Only the keys the user (or the tutorial's block) gave: DeepSpeed's defaults stay DeepSpeed's, and a
+        # dumped config validates back to the same block.
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as the user wrote it (merged over the tutorial's), for DeepSpeed's JSON config."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+def _mapping(kind: str, fix: str):
+    def check(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise rule(f"must be a mapping{kind}", fix)
+        return value
+
+    return model_validator(mode="before")(classmethod(check))
+
+
+class Offload(Block):
+    device: Literal["none", "cpu", "nvme"] | None = "none"
+
+    _shape = _mapping(" with a device", "write e.g. {device: cpu}")
+
+    @property
+    def on(self) -> bool:
+        return self.device not in ("none", None)
+
+
+class LeafModule(Block):
+    """ZeRO-3 leaf modules, fetched whole; classes 'auto': the model's decoder layer (`model_facts`)."""
+
+    model_config = ConfigDict(extra="forbid")  # DeepSpeed knows these three only
+    classes: Annotated[Auto | list[str] | str | None, _one_error("must be 'auto' or a list of names", LEAF_FIX)] = None
+    names: Annotated[Names | None, Field(json_schema_extra={"not": {"const": AUTO}})] = None
+    name_suffixes: Annotated[Names | None, Field(json_schema_extra={"not": {"const": AUTO}})] = None
+
+    _shape = _mapping("", LEAF_FIX)
+
+    @field_validator("names", "name_suffixes")
+    @classmethod
+    def _auto_only_for_classes(cls, value: Any) -> Any:
+        if value == AUTO:
+            raise rule("'auto' is only for classes", LEAF_FIX)
+        return value
+
+
+class ZeroOptimization(Block):
+    stage: ZeroStage = 0
+    offload_param: Offload | None = None
+    offload_optimizer: Offload | None = None
+    leaf_module: LeafModule | None = None
+
+    _shape = _mapping("", "see DeepSpeed's zero_optimization docs")
+
+    @model_validator(mode="after")
+    def _offload_needs_stage(self) -> ZeroOptimization:
+        if self.offload_param and self.offload_param.on and self.stage < 3:
+            raise rule(f"parameter offload needs ZeRO stage 3, the stage is {self.stage}",
+                       "set deepspeed.zero_optimization.stage=3 or remove offload_param",
+                       "offload_param", self.offload_param.to_dict())
+        if self.offload_optimizer and self.offload_optimizer.on and self.stage == 0:
+            raise rule("optimizer offload needs ZeRO stage 1, 2 or 3",
+                       "raise deepspeed.zero_optimization.stage or remove offload_optimizer",
+                       "offload_optimizer", self.offload_optimizer.to_dict())
+        return self
+
+
+class Precision(Block):
+    enabled: AutoBool = False
+
+    _shape = _mapping(" with enabled", "write e.g. {enabled: auto}")
+
+
+class Component(Block):
+    """`optimizer` or `scheduler`: DeepSpeed's own instead of the app's AdamW / schedule."""
+
+    type: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    _shape = _mapping(" with 'type' and 'params'", "see DeepSpeed's config docs, or remove it to use the app's")
+
+
+def _top_level_offload(key: str):
+    def refuse(cls, value: Any) -> Any:
+        if value is None:  # a dumped config's placeholder, not the user's
+            return value
+        raise rule("offload settings at the top level of the DeepSpeed config are ignored by DeepSpeed",
+                   f"move it to deepspeed.zero_optimization.{key}")
+
+    return field_validator(key, mode="before")(classmethod(refuse))
+
+
+class DeepSpeedConfig(Block):
+    """The `deepspeed` block. Its defaults are DeepSpeed's; the app's defaults are `tutorial_ds_config()`, over
+    which a user's block is merged (`app.config.parse`)."""
+
+    train_micro_batch_size_per_gpu: AutoCount = AUTO
+    gradient_accumulation_steps: AutoCount = AUTO
+    train_batch_size: AutoCount = AUTO
+    gradient_clipping: AutoNumber = AUTO
+    bf16: Precision | None = None
+    fp16: Precision | None = None
+    zero_optimization: ZeroOptimization = Field(default_factory=ZeroOptimization)
+    optimizer: Component | None = None
+    scheduler: Component | None = None
+    # Where DeepSpeed silently ignores them; refused so that nobody believes they offload.
+    offload_param: Annotated[Any, Field(json_schema_extra={"not": {}})] = None
+    offload_optimizer: Annotated[Any, Field(json_schema_extra={"not": {}})] = None
+
+    _no_top_offload_param = _top_level_offload("offload_param")
+    _no_top_offload_optimizer = _top_level_offload("offload_optimizer")
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> DeepSpeedConfig:
+        if self.enabled("bf16") is True and self.enabled("fp16") is True:
+            raise rule("bf16 and fp16 are both enabled",
+                       "enable one: set the other to false, or both to 'auto' and choose train.precision",
+                       "bf16.enabled", True)
+        return self
+
+    def enabled(self, key: Literal["bf16", "fp16"]) -> bool | str:
+        section = getattr(self, key)
+        return section.enabled if section else False
+
+    @property
+    def zero_stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def zero3(self) -> bool:
+        return self.zero_stage == 3
+
+    @property
+    def optimizer_offloaded(self) -> bool:
+        return bool(self.zero_optimization.offload_optimizer and self.zero_optimization.offload_optimizer.on)
+
+    @property
+    def auto_leaf_classes(self) -> bool:
+        """ZeRO-3 with `leaf_module.classes: auto`: the model's decoder layer is fetched whole."""
+        leaf = self.zero_optimization.leaf_module
+        return self.zero3 and leaf is not None and leaf.classes == AUTO
+
+
+def tutorial_ds_config() -> dict[str, Any]:
+    """The tutorial's DeepSpeed config, with the values it hard-codes turned into "auto"."""
+    return {
+        "train_micro_batch_size_per_gpu": AUTO,
+        "gradient_accumulation_steps": AUTO,
+        "train_batch_size": AUTO,
+        "gradient_clipping": AUTO,
+        "bf16": {"enabled": AUTO},
+        "fp16": {"enabled": AUTO},
+        "grad_accum_dtype": "bf16",
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": AUTO,
+            "stage3_prefetch_bucket_size": AUTO,
+            "stage3_param_persistence_threshold": AUTO,
+            # Not the tutorial's: ZeRO-3 fetches each decoder layer whole (see `build`).
+            "leaf_module": {"classes": AUTO},
+        },
+        "steps_per_print": 1_000_000,
+        "wall_clock_breakdown": False,
+    }
+
+
+# --- rules against the other sections -----------------------------------------------------------------------
+
+
+def check(cfg: TrainingConfig, world_size: int | None = None) -> list[Problem]:
+    """Problems of the block against the other sections: precision, batch sizes and the number of workers."""
+    return _check_precision(cfg) + _check_batch(cfg, world_size or cfg.scaling.num_workers)
+
+
+def _check_precision(cfg: TrainingConfig) -> list[Problem]:
+    problems = []
     for key in ("bf16", "fp16"):
-        value = ds.get(key, {}).get("enabled", False) if isinstance(ds.get(key), dict) else False
-        enabled[key] = wanted[key] if value == AUTO else bool(value)
-        if value not in (AUTO, True, False):
-            problems.append(Problem(f"deepspeed.{key}.enabled", value, "must be true, false or 'auto'", "use 'auto'"))
-    if enabled["bf16"] and enabled["fp16"]:
-        problems.append(
-            Problem("deepspeed.bf16.enabled", True, "bf16 and fp16 are both enabled", "enable one: set the other to false, or both to 'auto' and choose train.precision")
-        )
-    for key in ("bf16", "fp16"):
-        if enabled[key] and not wanted[key] and not (enabled["bf16"] and enabled["fp16"]):
-            problems.append(
-                Problem(f"deepspeed.{key}.enabled", True, f"contradicts train.precision={cfg.train.precision}", f"set train.precision={key} or deepspeed.{key}.enabled='auto'")
-            )
-    problems += _check_batch(cfg)
+        if cfg.deepspeed.enabled(key) is True and cfg.train.precision != key:
+            problems.append(Problem(f"deepspeed.{key}.enabled", True, f"contradicts train.precision={cfg.train.precision}",
+                                    f"set train.precision={key} or deepspeed.{key}.enabled='auto'"))
     return problems
 
 
-def _check_batch(cfg: TrainingConfig) -> list[Problem]:
-    ds, t, world = cfg.deepspeed, cfg.train, cfg.scaling.num_workers
+def global_batch(micro_batch_size: int, accumulation: int, world: int) -> int:
+    """Sequences per optimizer step: the rule DeepSpeed enforces on train_batch_size."""
+    return micro_batch_size * accumulation * world
+
+
+def _check_batch(cfg: TrainingConfig, world: int) -> list[Problem]:
+    ds, t = cfg.deepspeed, cfg.train
     problems = []
     for key, ours, field in (
         ("train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size"),
         ("gradient_accumulation_steps", t.gradient_accumulation_steps, "train.gradient_accumulation_steps"),
     ):
-        value = ds.get(key, AUTO)
+        value = getattr(ds, key)
         if value != AUTO and value != ours:
-            problems.append(Problem(f"deepspeed.{key}", value, f"differs from {field}={ours}", f"set it to 'auto' (or to {ours})"))
-    total = ds.get("train_batch_size", AUTO)
-    expected = t.micro_batch_size * t.gradient_accumulation_steps * world
-    if total != AUTO and total != expected:
-        problems.append(
-            Problem(
-                "deepspeed.train_batch_size",
-                total,
-                f"must equal micro-batch x accumulation x workers = {t.micro_batch_size} x "
-                f"{t.gradient_accumulation_steps} x {world} = {expected}",
-                "set it to 'auto', or change train.micro_batch_size / gradient_accumulation_steps / scaling.num_workers",
-            )
-        )
+            problems.append(Problem(f"deepspeed.{key}", value, f"differs from {field}={ours}",
+                                    f"set it to 'auto' (or to {ours})"))
+    expected = global_batch(t.micro_batch_size, t.gradient_accumulation_steps, world)
+    if ds.train_batch_size != AUTO and ds.train_batch_size != expected:
+        problems.append(Problem(
+            "deepspeed.train_batch_size", ds.train_batch_size,
+            f"must equal micro-batch x accumulation x workers = {t.micro_batch_size} x "
+            f"{t.gradient_accumulation_steps} x {world} = {expected}",
+            "set it to 'auto', or change train.micro_batch_size / gradient_accumulation_steps / scaling.num_workers"))
     return problems
 
 
-def _offload_device(section: Any) -> bool:
-    return isinstance(section, dict) and section.get("device", "none") not in ("none", None)
+def schema_rules(precision_default: str) -> list[dict[str, Any]]:
+    """The cross-field rules above as JSON schema (for the `training` object of the chart's values), so that
+    `helm install` rejects them too. Written against the values as given: a missing key means the app's default
+    (train.precision `precision_default`). The batch rule needs the worker count: the chart's validate.yaml."""
+
+    def enabled_true(key: str) -> dict[str, Any]:
+        return {"required": ["deepspeed"], "properties": {"deepspeed": {
+            "required": [key], "properties": {key: {"required": ["enabled"], "properties": {"enabled": {"const": True}}}}}}}
+
+    def not_enabled(key: str) -> dict[str, Any]:
+        return {"properties": {"deepspeed": {"properties": {key: {"properties": {"enabled": {"not": {"const": True}}}}}}}}
+
+    def precision(value: str, equal: bool) -> dict[str, Any]:
+        test = {"const": value} if equal else {"not": {"const": value}}
+        return {"required": ["train"], "properties": {"train": {"required": ["precision"], "properties": {"precision": test}}}}
+
+    rules = []
+    for key in ("bf16", "fp16"):
+        if key == precision_default:  # a contradiction only when precision is set to something else
+            rules.append({"if": precision(key, equal=False), "then": not_enabled(key)})
+        else:  # a contradiction unless precision is set to it
+            rules.append({"if": {"not": precision(key, equal=True)}, "then": not_enabled(key)})
+    rules.append({"if": enabled_true("bf16"), "then": not_enabled("fp16")})
+    return rules
 
 
-def optimizer_offloaded(cfg: TrainingConfig) -> bool:
-    return _offload_device(cfg.deepspeed.get("zero_optimization", {}).get("offload_optimizer"))
+def zero_schema_rules() -> list[dict[str, Any]]:
+    """ZeroOptimization's offload rule as JSON schema. A missing stage means the tutorial's (3): the chart's
+    values hold the user's block before `parse` merges it over the tutorial's."""
+    tutorial_stage = tutorial_ds_config()["zero_optimization"]["stage"]
+
+    def offloaded(key: str) -> dict[str, Any]:
+        return {"required": [key], "properties": {key: {"required": ["device"], "properties": {
+            "device": {"enum": ["cpu", "nvme"]}}}}}
+
+    def stage(allowed: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"properties": {"stage": {"enum": allowed}}}
+        return out if tutorial_stage in allowed else {**out, "required": ["stage"]}
+
+    return [{"if": offloaded("offload_param"), "then": stage([3])},
+            {"if": offloaded("offload_optimizer"), "then": stage([1, 2, 3])}]
 
 
-def zero3(cfg: TrainingConfig) -> bool:
-    """ZeRO stage 3, read safely from a deepspeed block that may still be invalid (check() reports that)."""
-    zero = cfg.deepspeed.get("zero_optimization")
-    return isinstance(zero, dict) and zero.get("stage") == 3
+# --- the builder ------------------------------------------------------------------------------------------
 
 
 def model_facts(cfg: TrainingConfig, model_config) -> dict[str, Any]:
     """What `build` needs from a transformers model config, as its keyword arguments."""
     from app.model import hidden_size, zero3_leaf_layers
 
-    leaf = cfg.deepspeed.get("zero_optimization", {}).get("leaf_module") if zero3(cfg) else None
-    wanted = isinstance(leaf, dict) and leaf.get("classes") == AUTO
+    wanted = cfg.deepspeed.auto_leaf_classes
     classes, params = zero3_leaf_layers(model_config, cfg.model.trust_remote_code) if wanted else ([], 0)
     return {"hidden_size": hidden_size(model_config), "layer_classes": classes, "layer_params": params}
 
@@ -141,16 +338,16 @@ def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int |
     """The final DeepSpeed config: the user's block with every "auto" filled. `hidden_size`, `layer_classes`
     and `layer_params` come from the model config (`model_facts`); None when it cannot be read yet (validate
     offline), and then the values derived from them stay "auto" until the run starts."""
-    problems = check(cfg)
+    problems = check(cfg, world_size)
     if problems:
         raise ConfigError(problems)
     t = cfg.train
     world = world_size or cfg.scaling.num_workers
-    ds = copy.deepcopy(cfg.deepspeed)
+    ds = cfg.deepspeed.to_dict()
     fill = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * world,
+        "train_batch_size": global_batch(t.micro_batch_size, t.gradient_accumulation_steps, world),
         "gradient_clipping": t.max_grad_norm,
     }
     for key, value in fill.items():
@@ -164,7 +361,30 @@ def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int |
     if t.precision != "bf16" and ds.get("grad_accum_dtype") == "bf16":
         # The tutorial's bf16 accumulation only makes sense when training in bf16.
         ds["grad_accum_dtype"] = "fp32" if t.precision == "fp32" else "fp16"
-    zero = ds.setdefault("zero_optimization", {})
+    _fill_zero(ds.setdefault("zero_optimization", {}), cfg.deepspeed.zero_stage, hidden_size, layer_classes,
+               layer_params)
+    if "optimizer" in ds:
+        params = ds["optimizer"].setdefault("params", {})
+        for key, value in {"lr": t.learning_rate, "betas": list(t.adam_betas), "eps": t.adam_eps,
+                           "weight_decay": t.weight_decay}.items():
+            if params.get(key) == AUTO:
+                params[key] = value
+    # Without the model (validate before it is downloaded) the model-shape values stay "auto" until run start.
+    model_derived = [*_ZERO_DERIVED, "leaf_module.classes"]
+    leftover = [p for p in _find_auto(ds)
+                if (hidden_size and layer_classes is not None) or p.removeprefix("zero_optimization.") not in model_derived]
+    if leftover:
+        raise ConfigError([Problem(f"deepspeed.{path}", AUTO, "no rule fills this 'auto' value", "set a concrete value")
+                           for path in leftover])
+    return ds
+
+
+_ZERO_DERIVED = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                 "stage3_param_persistence_threshold", "param_persistence_threshold")
+
+
+def _fill_zero(zero: dict[str, Any], stage: int, hidden_size: int | None, layer_classes: list[str] | None,
+               layer_params: int) -> None:
     h = hidden_size or 0
     leaf = zero.get("leaf_module")
     auto_leaf = isinstance(leaf, dict) and leaf.get("classes") == AUTO
@@ -173,13 +393,7 @@ def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int |
     # least one layer: DeepSpeed prefetches whole parameters up to the bucket, so a bucket smaller than a layer
     # fetches nothing ahead, and one layer's worth lets the next layer's all-gather overlap this layer's compute.
     prefetch = max(int(0.9 * h * h), layer_params if whole_layers else 0)
-    derived = {
-        "reduce_bucket_size": h * h,
-        "stage3_prefetch_bucket_size": prefetch,
-        "prefetch_bucket_size": prefetch,
-        "stage3_param_persistence_threshold": 10 * h,
-        "param_persistence_threshold": 10 * h,
-    }
+    derived = dict(zip(_ZERO_DERIVED, (h * h, prefetch, prefetch, 10 * h, 10 * h)))
     for key, value in derived.items():
         if zero.get(key) == AUTO and hidden_size:
             zero[key] = value
@@ -188,7 +402,7 @@ def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int |
             leaf["classes"] = list(layer_classes)
         else:
             leaf.pop("classes")  # DeepSpeed's own defaults (its MoE blocks)
-    if zero.get("stage", 0) < 3:
+    if stage < 3:
         # Stage-3-only knobs make DeepSpeed warn on lower stages; they mean nothing there.
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
             zero.pop(key, None)
@@ -196,25 +410,6 @@ def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int |
             leaf.pop("classes", None)
     if leaf == {}:
         del zero["leaf_module"]
-    if "optimizer" in ds:
-        params = ds["optimizer"].setdefault("params", {})
-        for key, value in {
-            "lr": t.learning_rate,
-            "betas": list(t.adam_betas),
-            "eps": t.adam_eps,
-            "weight_decay": t.weight_decay,
-        }.items():
-            if params.get(key) == AUTO:
-                params[key] = value
-    # Without the model (validate before it is downloaded) the model-shape values stay "auto" until run start.
-    model_derived = [*derived, "leaf_module.classes"]
-    leftover = [p for p in _find_auto(ds)
-                if (hidden_size and layer_classes is not None) or p.removeprefix("zero_optimization.") not in model_derived]
-    if leftover:
-        raise ConfigError(
-            [Problem(f"deepspeed.{path}", AUTO, "no rule fills this 'auto' value", "set a concrete value") for path in leftover]
-        )
-    return ds
 
 
 def _find_auto(node: Any, prefix: str = "") -> list[str]:

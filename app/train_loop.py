@@ -15,7 +15,6 @@ from app import checkpoint, data, faults
 from app.config import TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
-from app.ds_config import optimizer_offloaded
 
 log = logging.getLogger("finetune")
 
@@ -53,7 +52,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # Model and DeepSpeed engine.
     started = time.perf_counter()
     model = load_model(cfg.model, ds_config)
-    optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, optimizer_offloaded(cfg))
+    optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, cfg.deepspeed.optimizer_offloaded)
     # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            lr_scheduler=lambda opt: build_scheduler(opt, t, total_steps))

@@ -1,6 +1,6 @@
 """The Helm chart, with the real helm binary: lint, render, validate every object, structural contracts,
 bad values rejected with a message naming the value, the generated schema in sync with the app's models,
-and the ConfigMap's ds_config.json equal to what `finetune validate` prints for the same training values."""
+and the ConfigMap's training.yaml accepted by `finetune validate` (the chart computes no DeepSpeed config)."""
 
 from __future__ import annotations
 
@@ -43,14 +43,20 @@ def test_values_schema_is_generated_from_the_app_models(tmp_path):
     assert schema_mod.main(["--check", "--out", str(copy_path)]) == 1
 
 
-def test_values_training_defaults_are_the_app_defaults():
-    """values.yaml spells out every training default (documented in place); they must stay the app's."""
-    expected = TrainingConfig().model_dump(mode="json")
-    del expected["experiment"]["storage_path"]  # set by the chart: storage.mountPath
-    del expected["scaling"]["num_workers"]  # derived by the chart from the worker groups' GPUs
-    expected["train"]["adam_betas"] = list(expected["train"]["adam_betas"])
-    expected["experiment"]["on_conflict"] = "wait"  # the chart's documented choice: retries wait out a dead lease
-    assert VALUES["training"] == expected
+def test_values_leave_training_defaults_to_the_app():
+    """values.yaml states only the chart's own training choices; the schema documents every app default, and
+    the defaults the chart's templates read come from the app's models (_app_defaults.tpl, generated)."""
+    assert VALUES["training"] == {"experiment": {"name": None, "on_conflict": "wait"}}
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = TrainingConfig().model_dump(mode="json")
+    for section, fields in defaults.items():
+        if section == "deepspeed":
+            continue
+        documented = schema["$defs"][type(getattr(TrainingConfig(), section)).__name__]["properties"]
+        for key, value in fields.items():
+            expected = list(value) if isinstance(value, tuple) else value
+            assert documented[key].get("default", None) == expected, f"{section}.{key}"
+    assert (CHART / "templates" / "_app_defaults.tpl").read_text() == schema_mod.render_defaults()
 
 
 def test_values_files_match_the_schema_in_python_too():
@@ -61,6 +67,55 @@ def test_values_files_match_the_schema_in_python_too():
         doc = yaml.safe_load(path.read_text())
         assert not list(validator.iter_errors(doc)), path
         assert not list(validator.iter_errors(merge(VALUES, doc))), path
+
+
+# Each rule of the app that helm learns through the schema, once each way: (training values, rejected).
+RULE_CASES = {
+    "bf16-and-fp16": ({"deepspeed": {"bf16": {"enabled": True}, "fp16": {"enabled": True}}}, True),
+    "fp16-against-default-precision": ({"deepspeed": {"fp16": {"enabled": True}}}, True),
+    "fp16-with-fp16": ({"deepspeed": {"fp16": {"enabled": True}}, "train": {"precision": "fp16"}}, False),
+    "bf16-against-fp32": ({"deepspeed": {"bf16": {"enabled": True}}, "train": {"precision": "fp32"}}, True),
+    "bf16-with-default-precision": ({"deepspeed": {"bf16": {"enabled": True}}}, False),
+    "enabled-not-bool": ({"deepspeed": {"bf16": {"enabled": "yes"}}}, True),
+    "stage-out-of-range": ({"deepspeed": {"zero_optimization": {"stage": 4}}}, True),
+    "stage-as-text": ({"deepspeed": {"zero_optimization": {"stage": "three"}}}, True),
+    "offload-param-stage-2": ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}},
+                              True),
+    "offload-param-tutorial-stage": ({"deepspeed": {"zero_optimization": {"offload_param": {"device": "nvme"}}}}, False),
+    "offload-optimizer-stage-0": ({"deepspeed": {"zero_optimization": {"stage": 0, "offload_optimizer": {
+        "device": "cpu"}}}}, True),
+    "offload-optimizer-stage-1": ({"deepspeed": {"zero_optimization": {"stage": 1, "offload_optimizer": {
+        "device": "cpu"}}}}, False),
+    "offload-none-stage-0": ({"deepspeed": {"zero_optimization": {"stage": 0, "offload_param": {"device": "none"}}}},
+                             False),
+    "top-level-offload": ({"deepspeed": {"offload_param": {"device": "cpu"}}}, True),
+    "leaf-names-auto": ({"deepspeed": {"zero_optimization": {"leaf_module": {"names": "auto"}}}}, True),
+    "leaf-unknown-key": ({"deepspeed": {"zero_optimization": {"leaf_module": {"class": ["X"]}}}}, True),
+    "leaf-classes": ({"deepspeed": {"zero_optimization": {"leaf_module": {"classes": ["GPT2Block"]}}}}, False),
+    "batch-not-a-number": ({"deepspeed": {"train_micro_batch_size_per_gpu": "two"}}, True),
+    "extra-keys-pass": ({"deepspeed": {"zero_optimization": {"round_robin_gradients": True}, "comms_logger": {
+        "enabled": True}}}, False),
+    "optimizer-not-a-mapping": ({"deepspeed": {"optimizer": "adam"}}, True),
+    "eval-both": ({"data": {"eval_split": "test", "eval_fraction": 0.1}}, True),
+    "eval-split-only": ({"data": {"eval_split": "test"}}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(RULE_CASES))
+def test_schema_and_app_apply_the_same_rule(case):
+    """One rule, two enforcers: the app's models (and ds_config.check) and the schema generated from them
+    reject the same training values; neither is a hand-kept copy."""
+    from app import ds_config
+    from app.config import ConfigError, parse
+
+    training, rejected = RULE_CASES[case]
+    try:
+        app_rejects = bool(ds_config.check(parse(training)))
+    except ConfigError:
+        app_rejects = True
+    validator = jsonschema.Draft202012Validator(json.loads((CHART / "values.schema.json").read_text()))
+    schema_rejects = bool(list(validator.iter_errors({"training": training})))
+    assert (app_rejects, schema_rejects) == (rejected, rejected)
 
 
 def test_versions_agree():
@@ -143,7 +198,7 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
         assert res["requests"].get(gpu_res) == res["limits"].get(gpu_res) == (gv["gpus"] or None)
         assert group["rayStartParams"]["num-gpus"] == str(gv["gpus"])
         gpus_total += gv["gpus"] * group["replicas"] * group["numOfHosts"]
-    if values["training"]["scaling"].get("num_workers") is None:
+    if values["training"].get("scaling", {}).get("num_workers") is None:
         assert f"--set scaling.num_workers={gpus_total} " in job["spec"]["entrypoint"]
 
     # The checkpoint volume outlives `helm uninstall`.
@@ -156,7 +211,7 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
 
     # Ray token auth is configured for the cluster; KubeRay hands the token to the submitter.
     assert spec["authOptions"]["mode"] == values["auth"]["mode"]
-    json.loads(files["ds_config.json"])
+    assert set(files) == {"training.yaml"}, "the app resolves the DeepSpeed config, not the chart"
 
 
 def test_training_yaml_keeps_floats_floats():
@@ -169,7 +224,7 @@ def test_training_yaml_keeps_floats_floats():
     assert training["deepspeed"]["scheduler"]["params"] == {
         "warmup_min_lr": 1e-7, "warmup_max_lr": 2e-5, "warmup_num_steps": 1000000}
     assert all(isinstance(v, float) for v in training["deepspeed"]["scheduler"]["params"].values() if v < 1)
-    assert training["train"]["learning_rate"] == 5e-7 and training["train"]["adam_eps"] == 1e-8
+    assert training["train"]["learning_rate"] == 5e-7
     assert isinstance(training["train"]["learning_rate"], float)
 
 
@@ -254,16 +309,16 @@ BAD_VALUES = {
     "cpus-per-worker": ({"training": {"scaling": {"cpus_per_worker": 12.0}}}, "training.scaling.cpus_per_worker: 12"),
     "no-gpus": ({"workers": {"gpu": {"gpus": 0}}}, "workers: the worker groups provide no GPUs"),
     "bf16-and-fp16": ({"training": {"deepspeed": {"bf16": {"enabled": True}, "fp16": {"enabled": True}}}},
-                      "training.deepspeed.bf16.enabled"),
+                      "/training/deepspeed/fp16/enabled"),
     "precision-contradiction": ({"training": {"deepspeed": {"bf16": {"enabled": False}, "fp16": {"enabled": True}}}},
-                                "training.deepspeed.fp16.enabled: contradicts training.train.precision=bf16"),
+                                "/training/deepspeed/fp16/enabled"),
     "batch-arithmetic": ({"training": {"deepspeed": {"train_batch_size": 8}}}, "training.deepspeed.train_batch_size"),
     "offload-at-top-level": ({"training": {"deepspeed": {"offload_optimizer": {"device": "cpu"}}}},
-                             "training.deepspeed.offload_optimizer"),
+                             "/training/deepspeed/offload_optimizer"),
     "zero-stage": ({"training": {"deepspeed": {"zero_optimization": {"stage": 4}}}},
-                   "training.deepspeed.zero_optimization.stage"),
+                   "/training/deepspeed/zero_optimization/stage"),
     "leaf-module-not-a-mapping": ({"training": {"deepspeed": {"zero_optimization": {"leaf_module": "LlamaDecoderLayer"}}}},
-                                  "training.deepspeed.zero_optimization.leaf_module: must be a mapping"),
+                                  "/training/deepspeed/zero_optimization/leaf_module"),
     "claim-and-create": ({"storage": {"existingClaim": "shared"}}, "storage.existingClaim"),
     "no-storage": ({"storage": {"create": False}}, "storage.create"),
     "storage-path-off-volume": ({"training": {"experiment": {"storage_path": "/data"}}},
@@ -273,7 +328,7 @@ BAD_VALUES = {
     "token-in-values": ({"huggingface": {"token": "hf_abc"}}, "'token' not allowed"),
     "ttl-without-shutdown": ({"rayJob": {"shutdownAfterJobFinishes": False}}, "rayJob.ttlSecondsAfterFinished"),
     "suspend-persistent": ({"rayJob": {"clusterMode": "persistent", "suspend": True}}, "rayJob.suspend"),
-    "eval-both": ({"training": {"data": {"eval_split": "test", "eval_fraction": 0.1}}}, "training.data"),
+    "eval-both": ({"training": {"data": {"eval_split": "test", "eval_fraction": 0.1}}}, "/training/data/eval_fraction"),
     "bad-quantity": ({"storage": {"size": "lots"}}, "/storage/size"),
     "bad-nccl-env": ({"ncclEnv": {"DEBUG": "INFO"}}, "ncclEnv.DEBUG"),
     "rwo-many-pods": ({"storage": {"accessModes": ["ReadWriteOnce"]}},
@@ -304,7 +359,7 @@ def test_release_name_as_experiment_name_is_checked():
     assert out.returncode != 0 and "training.experiment.name: unset, so the release name" in out.stderr
 
 
-# --- ds_config.json = finetune validate --ds-config-only ---------------------------------------------------
+# --- the app accepts what the chart renders ------------------------------------------------------------------
 
 DS_CASES = {
     **{f"example-{p.stem}": ([p], [], []) for p in EXAMPLE_VALUES},
@@ -326,21 +381,19 @@ DS_CASES = {
 }
 
 
-def test_ds_config_equals_finetune_validate(tmp_path):
+def test_app_resolves_what_the_chart_renders(tmp_path):
     """For each value set: the ConfigMap's training.yaml, with the entrypoint's --set arguments, through the
-    real `finetune validate --ds-config-only` (model config not readable offline) prints the ConfigMap's
-    ds_config.json. One Python process runs the CLI for every case."""
-    cases, expected = [], {}
+    real `finetune validate --ds-config-only` (model config not readable offline) is valid, and the DeepSpeed
+    config the app resolves uses the worker count the chart decided. One Python process runs every case."""
+    cases = []
     for case, (values, sets, set_json) in DS_CASES.items():
         objects = render(values, sets, set_json)
-        files = config_files(objects)
         config = tmp_path / f"{case}.yaml"
-        config.write_text(files["training.yaml"])
+        config.write_text(config_files(objects)["training.yaml"])
         entry = one(objects, "RayJob")["spec"]["entrypoint"].split()
         assert entry[:3] == ["finetune", "train", "/etc/finetune/training.yaml"]
         argv = ["validate", str(config), *entry[3:], "--set", f"experiment.storage_path={tmp_path}", "--ds-config-only"]
         cases.append((case, argv))
-        expected[case] = json.loads(files["ds_config.json"])
     script = (
         "import contextlib, io, json, sys\n"
         "from app.cli import main\n"
@@ -358,16 +411,18 @@ def test_ds_config_equals_finetune_validate(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULT", 1)[1])
+    resolved = {}
     for case, _ in cases:
         rc, printed = results[case]
         assert rc == 0, f"{case}: finetune validate failed:\n{proc.stderr[-3000:]}"
-        assert json.loads(printed) == expected[case], f"{case}:\napp:   {printed}\nchart: {json.dumps(expected[case])}"
-    # The arithmetic the template does: micro x accumulation x workers.
-    assert expected["two-groups-arithmetic"]["train_batch_size"] == 3 * 5 * (2 * 4 + 2)
-    assert expected["explicit-workers-fp16-stage2"]["train_batch_size"] == 2 * 1 * 3
-    assert "stage3_prefetch_bucket_size" not in expected["explicit-workers-fp16-stage2"]["zero_optimization"]
-    assert expected["explicit-workers-fp16-stage2"]["grad_accum_dtype"] == "fp16"
-    assert expected["cpu-workers"]["train_batch_size"] == 3
+        resolved[case] = json.loads(printed)
+    # micro x accumulation x the workers the chart derived from the groups (or was given).
+    assert resolved["two-groups-arithmetic"]["train_batch_size"] == 3 * 5 * (2 * 4 + 2)
+    assert resolved["explicit-workers-fp16-stage2"]["train_batch_size"] == 2 * 1 * 3
+    assert "stage3_prefetch_bucket_size" not in resolved["explicit-workers-fp16-stage2"]["zero_optimization"]
+    assert resolved["explicit-workers-fp16-stage2"]["grad_accum_dtype"] == "fp16"
+    assert resolved["fp32-optimizer-autos"]["optimizer"]["params"]["lr"] == 0.0003
+    assert resolved["cpu-workers"]["train_batch_size"] == 3
 
 
 # --- helpers ------------------------------------------------------------------------------------------------

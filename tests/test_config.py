@@ -82,11 +82,18 @@ def test_console_script_exit_code_and_single_line(storage, tiny_model):
 
 
 def test_several_problems_reported_together(storage, tiny_model, capsys):
+    """Problems of shape (the typed models, the deepspeed block's included) come together from parsing; the
+    problems that need the model, the data or the volume come together from the checks after it."""
     args = base_args(storage, tiny_model) + ["--set", "deepspeed.zero_optimization.stage=9", "--set", "deepspeed.offload_param={}",
+                                             "--set", "train.epochs=many"]
+    assert main(["validate", *args]) == 2
+    err = capsys.readouterr().err
+    assert "deepspeed.offload_param" in err and "zero_optimization.stage" in err and "train.epochs" in err
+    args = base_args(storage, tiny_model) + ["--set", "deepspeed.train_batch_size=7", "--set", "deepspeed.fp16.enabled=true",
                                              "--set", "data.seq_length=4096"]
     assert main(["validate", *args]) == 2
     err = capsys.readouterr().err
-    assert "deepspeed.offload_param" in err and "zero_optimization.stage" in err and "data.seq_length" in err
+    assert "deepspeed.train_batch_size" in err and "deepspeed.fp16.enabled" in err and "data.seq_length" in err
 
 
 def test_bad_yaml_and_missing_file(tmp_path, capsys):
@@ -153,8 +160,10 @@ def test_set_override_parses_yaml_values(tmp_path):
     cfg = load(path, ["train.epochs=3", "deepspeed.zero_optimization.offload_optimizer={device: cpu, pin_memory: true}",
                       "data.packing=false"])
     assert cfg.train.epochs == 3 and cfg.data.packing is False
-    assert cfg.deepspeed["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
-    assert cfg.deepspeed["zero_optimization"]["overlap_comm"] is True  # merged over the tutorial's block
+    block = cfg.deepspeed.to_dict()
+    assert block["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}  # passed through
+    assert block["zero_optimization"]["overlap_comm"] is True  # merged over the tutorial's block
+    assert cfg.deepspeed.optimizer_offloaded and cfg.zero_stage == 3
 
 
 def test_validate_prints_resolved_config_and_ds_json(tiny_model, storage, capsys):
@@ -215,3 +224,25 @@ def test_a_folder_too_big_to_be_a_dataset_is_refused_without_walking_it_all(stor
     assert "data.dataset: the folder holds more than 10 files and folders" in err and "Traceback" not in err
     monkeypatch.setattr(data, "MAX_FOLDER_ENTRIES", 100)
     assert main(["validate", *base_args(storage, tiny_model), "--set", f"data.dataset={big}"]) == 0
+
+
+def fake_checkpoint(storage: Path, step: int, world_size: int, **state) -> Path:
+    """A complete-looking checkpoint of experiment exp1 (its manifest matches its one file)."""
+    folder = storage / "exp1" / "checkpoints" / f"step-{step:08d}"
+    (folder / "ds").mkdir(parents=True)
+    (folder / "ds" / "a.bin").write_bytes(b"x" * 10)
+    (folder / "trainer_state.json").write_text(json.dumps(
+        {"global_step": step, "world_size": world_size, "files": {"ds/a.bin": 10}, **state}))
+    return folder
+
+
+def test_bad_stage_with_a_checkpoint_of_another_world_size_exits_2(storage, tiny_model, capsys):
+    """Issue 14.6: the stage is checked by the typed block before any resume planning reads it."""
+    fake_checkpoint(storage, 4, world_size=4)
+    before = snapshot(storage)
+    for command in ("validate", "train"):
+        assert main([command, *base_args(storage, tiny_model), "--set", "deepspeed.zero_optimization.stage=three"]) == 2
+        err = capsys.readouterr().err
+        assert "error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2 or 3 (got 'three')" in err, err
+        assert "Traceback" not in err
+    assert snapshot(storage) == before

@@ -2,7 +2,8 @@
 The ConfigMap's data. training.yaml is training.* from values as the app reads it, with
 experiment.storage_path set to the volume's mount path; experiment.name and scaling.num_workers are
 decided by the deployment and passed on the entrypoint (--set), so one file serves every experiment.
-ds_config.json is the DeepSpeed config the app derives from both (for reading; the app computes its own).
+The chart does not compute the DeepSpeed config: the app resolves it at start, logs it and records it as
+<experiment>/ds_config.json (`finetune validate` prints it for a config).
 */}}
 {{- define "ray-finetune.trainingConfig" -}}
 {{- $t := deepCopy (.Values.training | default dict) -}}
@@ -12,7 +13,7 @@ ds_config.json is the DeepSpeed config the app derives from both (for reading; t
 {{- $_ := set $t "experiment" $exp -}}
 {{- $scaling := deepCopy (get $t "scaling" | default dict) -}}
 {{- $_ := unset $scaling "num_workers" -}}
-{{- $_ := set $t "scaling" $scaling -}}
+{{- if $scaling }}{{ $_ := set $t "scaling" $scaling }}{{ else }}{{ $_ := unset $t "scaling" }}{{ end -}}
 {{- toJson $t -}}
 {{- end }}
 
@@ -21,6 +22,4 @@ training.yaml: |
   # The training config that `finetune train` reads. experiment.name and scaling.num_workers are not here:
   # the RayJob's entrypoint passes them (--set), as the deployment decides the run's identity and scale.
   {{- include "ray-finetune.toYaml" (include "ray-finetune.trainingConfig" . | fromJson) | nindent 2 }}
-ds_config.json: |
-  {{- include "ray-finetune.dsConfig" . | fromJson | toPrettyJson | nindent 2 }}
 {{- end }}

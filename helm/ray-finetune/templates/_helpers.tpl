@@ -3,7 +3,7 @@ Names, labels, images and the values derived from several places (worker count, 
 Every object is named after the experiment: one name is the identity of a run, on the volume and in the cluster.
 */}}
 
-{{/* Where the ConfigMap (training.yaml, ds_config.json) is mounted, read-only, in head and workers. */}}
+{{/* Where the ConfigMap (training.yaml) is mounted, read-only, in head and workers. */}}
 {{- define "ray-finetune.configDir" -}}/etc/finetune{{- end }}
 
 {{/* The experiment name: training.experiment.name, or the release name. Checked in validate.yaml. */}}
@@ -78,13 +78,13 @@ Ray Train workers: training.scaling.num_workers when set, else one per GPU of th
 (with use_gpu false: one per worker pod). validate.yaml fails when an explicit value exceeds the GPUs.
 */}}
 {{- define "ray-finetune.numWorkers" -}}
-{{- $scaling := .Values.training.scaling | default dict -}}
+{{- $scaling := (include "ray-finetune.training" . | fromJson).scaling -}}
 {{- $explicit := toString (dig "num_workers" "" $scaling) -}}
 {{- if and (ne $explicit "") (ne $explicit "<nil>") -}}
 {{- int $scaling.num_workers -}}
 {{- else -}}
 {{- $cap := include "ray-finetune.capacity" . | fromJson -}}
-{{- if ne (toString (dig "use_gpu" true $scaling)) "false" }}{{ int $cap.gpus }}{{ else }}{{ int $cap.pods }}{{ end -}}
+{{- if $scaling.use_gpu }}{{ int $cap.gpus }}{{ else }}{{ int $cap.pods }}{{ end -}}
 {{- end -}}
 {{- end }}
 
@@ -154,6 +154,22 @@ requests name none, so the scheduler places the pod where its logs and spills fi
 {{/* The head's dashboard port (Ray's default 8265, or head.rayStartParams.dashboard-port). */}}
 {{- define "ray-finetune.dashboardPort" -}}
 {{- int (dig "dashboard-port" 8265 (.Values.head.rayStartParams | default dict)) -}}
+{{- end }}
+
+{{/*
+training.* as the chart's checks read it: the values over the app's defaults of the keys they read
+(_app_defaults.tpl, generated from the app's models). Only for reading: the ConfigMap holds the values as given.
+*/}}
+{{- define "ray-finetune.training" -}}
+{{- $t := deepCopy (.Values.training | default dict) -}}
+{{- range $section, $keys := include "ray-finetune.appDefaults" . | fromJson }}
+{{- $s := get $t $section | default dict -}}
+{{- range $k, $v := $keys }}
+{{- if or (not (hasKey $s $k)) (eq (toString (get $s $k)) "<nil>") }}{{ $_ := set $s $k $v }}{{ end }}
+{{- end }}
+{{- $_ := set $t $section $s -}}
+{{- end }}
+{{- toJson $t -}}
 {{- end }}
 
 {{/* The mount path without a trailing slash. */}}

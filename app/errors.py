@@ -1,0 +1,30 @@
+"""The one shape of a user error: the field, the value, what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Problem(Exception):
+    """One invalid input: the field, the value, what is wrong and how to fix it."""
+
+    def __init__(self, field: str, value: Any, message: str, fix: str = ""):
+        self.field, self.value, self.message, self.fix = field, value, message, fix
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        text = f"{self.field}: {self.message} (got {_short(self.value)})"
+        return f"{text}. Fix: {self.fix}" if self.fix else text
+
+
+class ConfigError(Exception):
+    """All problems found in one config; the CLI prints one line each and exits 2."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
