@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from app import config as config_mod, ops
+from app import config as config_mod, logs, ops
 from app.config import ConfigError, Problem
 from app.lease import LeaseHeld
 
@@ -22,6 +22,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="training config YAML (omit for the tutorial's defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. --set train.epochs=2 (repeatable; value parsed as YAML)")
+    _add_verbose(p)
+
+
+def _add_verbose(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show every log line (libraries' info messages, Ray's internal ones); default: the quiet view")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,28 +48,34 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train, or resume the experiment of the same name from its last complete "
                                    "checkpoint. Validates first and writes nothing when the config is invalid.")
     _add_config_args(p)
+    p.add_argument("--re-export", action="store_true",
+                   help="when the experiment has finished, write final/ again from its last checkpoint")
 
-    p = sub.add_parser("export", help="write a Hugging Face folder from a checkpoint",
+    p = sub.add_parser("export", help="write a Hugging Face folder from a checkpoint or an experiment",
                        description="Consolidate a DeepSpeed checkpoint (any ZeRO stage) into a Hugging Face "
                                    "folder with safetensors weights and the tokenizer.")
-    p.add_argument("checkpoint", help="checkpoint folder, e.g. <storage>/<experiment>/checkpoints/step-00000030")
-    p.add_argument("out", help="output folder")
+    p.add_argument("checkpoint", help="an experiment folder <storage>/<experiment> (its newest complete checkpoint) "
+                                      "or one checkpoint, e.g. <storage>/<experiment>/checkpoints/step-00000030")
+    p.add_argument("out", help="output folder (must not exist, or be empty, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace the output folder when it exists")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights precision (default: training's)")
     p.add_argument("--model", help="model folder or hub name giving config and tokenizer (for DeepSpeed "
                                    "checkpoints not written by this app)")
+    _add_verbose(p)
 
     p = sub.add_parser("tiny", help="build the offline tiny GPT-2 model and text corpus",
                        description="Write a tiny GPT-2-style model folder (random weights, BPE tokenizer trained "
                                    "offline) and a generated ag_news-like corpus, for runs without a hub.")
     p.add_argument("--model-dir", default=".local/tiny-gpt2", help="model folder to create")
     p.add_argument("--corpus", default="examples/data/tiny-news.jsonl", help="corpus file (created if missing)")
+    _add_verbose(p)
     ops.register(sub)  # status, logs, resume: operate a RayJob through the Kubernetes API
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logs.setup(getattr(args, "verbose", False))
     if args.command in ops.COMMANDS:
         return ops.main(args)
     try:
@@ -112,8 +124,12 @@ def cmd_train(args) -> int:
         raise ConfigError([Problem("model.name_or_path", cfg.model.name_or_path, "cannot read the model config",
                                    "check the name, the network or HF_HOME, or use a local folder")])
     banner = f"experiment: {cfg.experiment.name}   (deploy again with this name to resume)"
-    print("=" * len(banner), banner, f"storage:    {cfg.experiment_dir}", "=" * len(banner), sep="\n", flush=True)
+    print("=" * len(banner), banner, f"storage:    {cfg.experiment_dir}", "=" * len(banner), sep="\n")
+    print(summary(cfg, ds), flush=True)
     try:
+        finished = driver.finished_checkpoint(cfg)
+        if finished:
+            return finish_again(cfg, *finished, re_export=args.re_export)
         result = driver.run(cfg, ds)
     except LeaseHeld as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -134,6 +150,36 @@ def cmd_train(args) -> int:
     return 0
 
 
+def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
+    """The resolved config in two lines: what trains on what, and how."""
+    t, s = cfg.train, cfg.scaling
+    steps = f"{t.max_steps_per_epoch} steps" if t.max_steps_per_epoch else "all batches"
+    zero = ds.get("zero_optimization", {}).get("stage", 0)
+    return (f"model: {cfg.model.name_or_path}   data: {cfg.data.dataset} ({cfg.data.seq_length} tokens/sequence)\n"
+            f"train: {t.epochs} epoch(s) x {steps}, {s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, ZeRO-{zero}, "
+            f"{t.precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
+            f"{ds.get('gradient_accumulation_steps')}, lr {t.learning_rate:g} ({t.lr_scheduler})")
+
+
+def finish_again(cfg: config_mod.TrainingConfig, checkpoint: Path, state: dict, re_export: bool) -> int:
+    """A finished experiment deployed again: say so and stop, exporting its last checkpoint only when final/
+    is missing (and wanted) or --re-export asks for it. No cluster starts."""
+    final = cfg.experiment_dir / "final"
+    exported = any(final.glob("*.safetensors"))
+    print(f"{cfg.experiment.name} already finished: global step {state.get('global_step')}, checkpoint {checkpoint}")
+    if re_export or (cfg.checkpoint.export_final and not exported):
+        from app import driver
+
+        print(f"exporting {checkpoint.name} to {final} ...", flush=True)
+        driver.export_final(cfg, checkpoint)
+        exported = True
+    if exported:
+        print(f"final model: {final}")
+    print("nothing to train: raise train.epochs (or train.max_steps) to continue it, or use a new experiment name"
+          + ("" if re_export else "; --re-export writes final/ again"))
+    return 0
+
+
 def sample_generation(folder: Path, prompt: str = "The central bank", tokens: int = 12) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -149,19 +195,34 @@ def cmd_export(args) -> int:
     from app.checkpoint import export
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    src = Path(args.checkpoint)
-    if not src.is_dir():
-        raise Problem("CHECKPOINT", str(src), "no such folder", "pass <storage>/<experiment>/checkpoints/step-NNNNNNNN")
-    if not (src / "ds").is_dir() and not args.model:
-        raise Problem("--model", None, f"{src} is not a checkpoint of this app (no ds/ inside), so the model config "
-                      "and tokenizer are unknown", "pass --model with the model folder or hub name it was trained from")
+    src, out = export_source(Path(args.checkpoint), args.model), Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise Problem("OUT", str(out), "already exists", "choose a new folder, or pass --force to replace it")
     try:
-        out = export(src, Path(args.out), args.dtype, args.model)
+        out = export(src, out, args.dtype, args.model)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: cannot export {src}: {exc}", file=sys.stderr)
         return 1
     print(f"exported: {out}")
     return 0
+
+
+def export_source(src: Path, model: str | None) -> Path:
+    """The checkpoint to export: `src` itself, or an experiment folder's newest complete checkpoint."""
+    from app.checkpoint import newest_usable
+
+    hint = "pass <storage>/<experiment> or one of its checkpoints/step-NNNNNNNN"
+    if not src.is_dir():
+        raise Problem("CHECKPOINT", str(src), "no such folder", hint)
+    if (src / "ds").is_dir() or model:
+        return src
+    newest = newest_usable(src) if (src / "checkpoints").is_dir() else None
+    if newest is None:
+        raise Problem("CHECKPOINT", str(src), "is neither a checkpoint of this app (no ds/ inside) nor an experiment "
+                      "folder with a complete checkpoint", f"{hint}; for another DeepSpeed checkpoint add --model "
+                      "with the model folder or hub name it was trained from")
+    print(f"exporting {newest.name}, the newest complete checkpoint of {src}", file=sys.stderr)
+    return newest
 
 
 def cmd_tiny(args) -> int:

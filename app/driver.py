@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from app import data, ds_config
+from app import data, ds_config, logs
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
 from app.model import check_seq_length, load_model_config, model_source
@@ -190,12 +190,15 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
     env = worker_env(cfg)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
-            ray.init()  # a cluster (KubeRay's head, or `ray start`); workers get `env` through worker_runtime_env
+            ray.init(**logs.before_ray_init())  # a cluster (KubeRay's head, or `ray start`); workers get `env` through worker_runtime_env
         else:
             os.environ.update(env)  # the local cluster's workers inherit this process's environment
             needed = int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+            log.info("starting a local Ray cluster (about 10-20 s)")
+            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
+        logs.after_ray_init()
     s = cfg.scaling
+    log.info(f"starting {s.num_workers} training workers (about 30 s: each loads torch, DeepSpeed, the model and data)")
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"config": cfg.model_dump(mode="json"), "ds_config": ds},
@@ -226,3 +229,29 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
             if cause is not None:
                 raise RuntimeError(f"{cause} [rank {rank}]") from exc
         raise
+
+
+def finished_checkpoint(cfg: TrainingConfig) -> tuple[Path, dict[str, Any]] | None:
+    """The experiment's newest complete checkpoint and its state when it already ends the training this config
+    asks for (the loop would do nothing), else None."""
+    from app import checkpoint
+
+    latest = checkpoint.newest_usable(cfg.experiment_dir)
+    if latest is None:
+        return None
+    try:
+        state = checkpoint.read_state(latest)
+    except (OSError, ValueError):
+        return None  # judged again, with fallbacks, when the run starts
+    t = cfg.train
+    done = state.get("epoch", 0) >= t.epochs or (t.max_steps is not None and state.get("global_step", 0) >= t.max_steps)
+    return (latest, state) if done else None
+
+
+def export_final(cfg: TrainingConfig, path: Path) -> Path:
+    """final/ from a checkpoint, in this process (no cluster), under the experiment's lease."""
+    from app.checkpoint import export
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    with Lease(cfg.experiment_dir, cfg.experiment.lease_timeout_s).acquire(wait=cfg.experiment.on_conflict == "wait"):
+        return export(path, cfg.experiment_dir / "final", cfg.train.precision)

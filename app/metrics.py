@@ -96,6 +96,7 @@ class MetricsLogger:
         self.jsonl.flush()
 
     def checkpoint(self, path: Path, step: int) -> None:
+        log.info(f"checkpoint saved: {path}")
         if self.progress:
             self.progress.update({"last_checkpoint": str(path), "last_checkpoint_step": step}, force=True)
 

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app import kube
+from app import kube, logs
 from app.progress import parse as parse_progress
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_API = 0, 1, 2, 3
@@ -64,6 +64,8 @@ def register(sub) -> None:
     p.add_argument("-f", "--follow", action="store_true", help="keep streaming new lines until the container ends (Ctrl-C stops)")
     p.add_argument("--head", action="store_true", help="show the Ray head pod's container instead of the submitter")
     p.add_argument("--tail", type=int, metavar="N", help="only the last N lines")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="every line the pod wrote; default: the quiet view of a local run (app lines and warnings)")
 
     p = sub.add_parser("resume", help="delete and re-create a finished, failed or stuck RayJob so it resumes",
                        description="Delete the experiment's RayJob (with its own RayCluster; never the checkpoint "
@@ -276,11 +278,11 @@ def cmd_logs(args) -> int:
                            f"`kubectl describe pod {pod} -n {s.namespace}`", exc.code) from None
         raise
     print(f"# {what}: pod {pod}, container {container} (RayJob {s.namespace}/{job['metadata']['name']})", file=sys.stderr)
-    out = sys.stdout.buffer
+    out = logs.StreamView(sys.stdout.buffer, show_all=args.verbose)
     try:
         for chunk in resp.stream(8192, decode_content=True):
             out.write(chunk)
-            out.flush()
+        out.close()
     except BrokenPipeError:
         return EXIT_OK
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, data, faults
+from app import checkpoint, data, faults, logs, opbuild
 from app.config import TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
@@ -30,7 +30,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     run_dir = cfg.experiment_dir
     t = cfg.train
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(message)s", force=True)
+    logs.setup_worker(rank)
+    opbuild.prepare(not cfg.scaling.use_gpu, optimizer_offloaded(cfg), announce=rank == 0)
     seed_everything(t.seed + rank)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the process group Ray created
 

@@ -1,0 +1,88 @@
+"""DeepSpeed's C++ ops that are compiled at first use (torch's just-in-time extension builder): say so before
+the build starts, and never let a build lock left by a killed build block a start forever.
+
+torch serialises builds with a `lock` file in the op's build folder and waits, without a limit, while it
+exists; a build killed mid-way leaves it behind, and every later start on that machine then hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("finetune")
+
+STALE_AFTER_S = 600.0  # no file of the build folder changed for this long: the build that holds the lock is dead
+POLL_S = 2.0
+# Op name -> what it is and how long its first build takes on 2 CPU cores (measured: 60-100 s for the shm op).
+JIT_OPS = {
+    "deepspeed_shm_comm": "DeepSpeed's shared-memory collectives for CPU workers (about 1-2 min)",
+    "cpu_adam": "DeepSpeed's CPU Adam for the offloaded optimizer (about 1-3 min)",
+}
+
+
+def build_folder(name: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def needed(cpu_workers: bool, offloaded_optimizer: bool) -> list[str]:
+    """The JIT-built ops this run will load: CPU collectives on CPU workers, CPU Adam with offload."""
+    names = (["deepspeed_shm_comm"] if cpu_workers else []) + (["cpu_adam"] if offloaded_optimizer else [])
+    try:
+        from deepspeed.git_version_info import (
+            installed_ops,  # ops compiled into the wheel (the image's)
+        )
+    except ImportError:
+        installed_ops = {}
+    return [n for n in names if not installed_ops.get(n)]
+
+
+def _last_activity(folder: Path) -> float:
+    times = [p.stat().st_mtime for p in folder.iterdir() if p.is_file()]
+    return max(times, default=0.0)
+
+
+def clear_stale_lock(folder: Path, stale_after_s: float = STALE_AFTER_S, poll_s: float = POLL_S,
+                     announce: bool = True) -> str | None:
+    """Waits while another process builds in `folder` (its files change), at most until `stale_after_s` pass
+    with no change; then moves the lock aside (kept, renamed, for inspection) and says so. Returns that message,
+    or None when there was no lock or it went away."""
+    lock = folder / "lock"
+    said = False
+    while True:
+        try:
+            idle = time.time() - _last_activity(folder)
+        except FileNotFoundError:
+            return None
+        if not lock.exists():
+            return None
+        if idle >= stale_after_s:
+            aside = lock.with_name(f"lock.stale-{int(time.time())}-{os.getpid()}")
+            try:
+                os.replace(lock, aside)
+            except FileNotFoundError:
+                return None  # another rank moved it, or the build finished
+            return (f"moved aside a stale build lock {lock} (nothing in {folder} changed for {idle / 60:.0f} min: "
+                    f"a killed build left it); kept as {aside.name}")
+        if announce and not said:
+            said = True
+            log.warning(f"waiting for another process's build in {folder} (lock {lock}); at most "
+                        f"{(stale_after_s - idle) / 60:.0f} min more if it has died")
+        time.sleep(min(poll_s, stale_after_s - idle))
+
+
+def prepare(cpu_workers: bool, offloaded_optimizer: bool, announce: bool) -> None:
+    """Before DeepSpeed starts: clears stale locks of the ops it will build or load, and (on rank 0) says when
+    a first-time build is about to run and how long it takes."""
+    for name in needed(cpu_workers, offloaded_optimizer):
+        folder = build_folder(name)
+        if folder.is_dir():
+            moved = clear_stale_lock(folder, announce=announce)
+            if moved:
+                log.warning(moved)
+        if announce and not (folder / f"{name}.so").exists():
+            log.info(f"building {JIT_OPS[name]}: once per machine, cached in {folder.parent}")
