@@ -6,25 +6,37 @@ PY := $(BIN)/python
 # The CPU build of torch is installed first: a bare requirement would pull a multi-GB CUDA build.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup run test test-all lock tiny clean
+.PHONY: setup run test test-all lock tiny clean distclean
 setup: $(VENV)/.installed
 
+# Each phase says what it does and how long it takes on 2 cores (README, "What make run does"), so nothing is silent for long.
 $(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "error: this needs Python >= 3.11;" \
+	  "$(PYTHON) is $$($(PYTHON) -V 2>&1): run make PYTHON=python3.11 (or newer)" >&2; exit 2; }
+	@command -v c++ >/dev/null || { echo "error: no C++ compiler (c++): DeepSpeed builds its CPU ops with one on first use;" \
+	  "install g++ (Debian/Ubuntu: apt-get install g++)" >&2; exit 2; }
+	@echo "==> install 1/4: virtual environment $(VENV) and pip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "==> install 2/4: $(TORCH_CPU) (the largest download; 1-2 min)"
 	$(PY) -m pip install -q $(TORCH_CPU)
+	@echo "==> install 3/4: Ray, DeepSpeed, transformers and the rest from requirements.lock, helm and kubectl (1-2 min)"
 	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
 	$(PY) tools/k8s_tools.py
+	@echo "==> install 4/4: checkov (make test's policy checks), in a venv of its own"
 	# checkov in a venv of its own: its pins (packaging, networkx, ...) conflict with requirements.lock.
 	test -x $(VENV)/tools/checkov/bin/python || $(PYTHON) -m venv $(VENV)/tools/checkov
 	$(VENV)/tools/checkov/bin/pip install -q -r requirements-checkov.txt
 	ln -sf ../tools/checkov/bin/checkov $(BIN)/checkov
 	touch $@
+	@echo "==> installed: finetune, helm and kubectl are in $(BIN)/ (add it to PATH, or source $(BIN)/activate)"
 
 tiny: setup
+	@echo "==> tiny model and corpus, built offline (about 15 s)"
 	$(BIN)/finetune tiny --model-dir .local/tiny-gpt2 --corpus examples/data/tiny-news.jsonl
 
 run: tiny
+	@echo "==> training: local Ray cluster, 2 CPU workers, ZeRO-3, 40 steps, then export (1-2 min; a first run also builds a DeepSpeed op, 1-2 min more)"
 	$(BIN)/finetune train examples/local-cpu.yaml
 
 test: setup
@@ -37,8 +49,14 @@ test-all: setup
 lock: setup
 	$(PY) -m pip freeze --exclude-editable | grep -vE '^(torch|nvidia-|triton|ray-deepspeed-finetune)' > requirements.lock
 
+# Starting over: `make clean` forgets the local runs (.local: the tiny model and .local/storage, where make run's
+# experiment and its checkpoints live), so the next `make run` trains from scratch; `make distclean` also removes
+# the virtual environment (the next make reinstalls).
 clean:
 	rm -rf .local .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV)
 
 # The chart's values.schema.json from the app's config models (tests fail when it is stale).
 .PHONY: schema manifests
