@@ -23,16 +23,20 @@ DATEFMT = "%Y-%m-%d %H:%M:%S"
 LEVELS = "DEBUG|INFO|WARNING|ERROR|CRITICAL"
 
 # Warnings that say nothing a user of this app can act on; hidden in the quiet view, shown with --verbose.
-NOISE = re.compile("|".join((
-    r"`loss_type=None` was set in the config but it is unrecognized",  # transformers 5 on GPT-2 configs
-    r"FutureWarning|DeprecationWarning",  # addressed to library developers (e.g. DeepSpeed's reduce_scatter_tensor)
-    r"Token authentication is enabled for this Ray cluster",  # the local cluster is private to this process
-    r"Setting accelerator to CPU",  # DeepSpeed, on purpose here
-    r"CUDA-enabled jaxlib is not installed",  # JAX, imported by a library; this app does not use it
-    r"has constructor arguments in the object store",  # Ray Train's PreemptionWatcher, a Ray-internal note
-    # Ray Train's controller narrating the worker group's start (the app says what it is doing instead):
-    r"^Requesting resources|^Attempting to start training worker group|^Started training worker group|^- \(ip=",
-)))
+NOISE = re.compile(
+    "|".join(
+        (
+            r"`loss_type=None` was set in the config but it is unrecognized",  # transformers 5 on GPT-2 configs
+            r"FutureWarning|DeprecationWarning",  # to library developers (DeepSpeed's reduce_scatter_tensor)
+            r"Token authentication is enabled for this Ray cluster",  # the local cluster is private to this process
+            r"Setting accelerator to CPU",  # DeepSpeed, on purpose here
+            r"CUDA-enabled jaxlib is not installed",  # JAX, imported by a library; this app does not use it
+            r"has constructor arguments in the object store",  # Ray Train's PreemptionWatcher, a Ray-internal note
+            # Ray Train's controller narrating the worker group's start (the app says what it is doing instead):
+            r"^Requesting resources|^Attempting to start training worker group|^Started training worker group|^- \(ip=",
+        )
+    )
+)
 # Ray-internal actors whose every line is chatter. PlacementGroupCleaner polls the State API, which needs the
 # dashboard that the embedded cluster does not start, and warns about it every few seconds.
 QUIET_SOURCES = ("PlacementGroupCleaner",)
@@ -43,8 +47,10 @@ RAW_HIDDEN_SOURCES = ("RayTrainWorker",)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\].*$")
 _RAY_PREFIX = re.compile(r"^\((?P<source>[\w.<>-]+)(?: pid=\w+)?(?:, ip=[\w.:-]+)?\) ?(?P<rest>.*)$")
-_OURS = re.compile(rf"^(?P<time>\d{{4}}-\d\d-\d\d (?P<clock>\d\d:\d\d:\d\d))(?:,\d+)? (?P<level>{LEVELS}) "
-                   r"(?P<name>\S+): (?P<msg>.*)$")
+_OURS = re.compile(
+    rf"^(?P<time>\d{{4}}-\d\d-\d\d (?P<clock>\d\d:\d\d:\d\d))(?:,\d+)? (?P<level>{LEVELS}) "
+    r"(?P<name>\S+): (?P<msg>.*)$"
+)
 # Ray's ("2026-01-01 10:00:00,123\tINFO worker.py:1 -- ...") and DeepSpeed's ("[2026-...] [WARNING] [...] ...").
 _OTHER = re.compile(rf"^\[?\d{{4}}-\d\d-\d\d[ T][\d:,.]+\]?\s+\[?(?P<level>{LEVELS})\]?[ :]")
 

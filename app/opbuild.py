@@ -14,7 +14,9 @@ from pathlib import Path
 
 log = logging.getLogger("finetune")
 
-STALE_AFTER_S = 600.0  # no file of the build folder changed for this long: the build that holds the lock is dead
+# When no process can be seen holding the lock: no file of the build folder changed for this long means the
+# build that holds it is dead (or hung). A compile step on 2 busy cores takes at most a few minutes.
+STALE_AFTER_S = 600.0
 POLL_S = 2.0
 # Op name -> what it is and how long its first build takes on 2 CPU cores (measured: 60-100 s for the shm op).
 JIT_OPS = {
@@ -46,11 +48,38 @@ def _last_activity(folder: Path) -> float:
     return max(times, default=0.0)
 
 
-def clear_stale_lock(folder: Path, stale_after_s: float = STALE_AFTER_S, poll_s: float = POLL_S,
-                     announce: bool = True) -> str | None:
-    """Waits while another process builds in `folder` (its files change), at most until `stale_after_s` pass
-    with no change; then moves the lock aside (kept, renamed, for inspection) and says so. Returns that message,
-    or None when there was no lock or it went away."""
+def held_open(lock: Path) -> bool | None:
+    """Does a live process hold `lock` open? torch keeps the lock's file descriptor open for the whole build, so
+    a lock that no process holds was left by a dead one. None when that cannot be known (no /proc, or processes
+    of other users whose descriptors cannot be read)."""
+    target, unknown = str(lock), False
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue  # the process ended meanwhile
+        except PermissionError:
+            unknown = True
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    return True
+            except OSError:
+                continue
+    return None if unknown else False
+
+
+def clear_stale_lock(
+    folder: Path, stale_after_s: float = STALE_AFTER_S, poll_s: float = POLL_S, announce: bool = True
+) -> str | None:
+    """Waits while another process builds in `folder`; moves the lock aside (kept, renamed, for inspection) as
+    soon as no process holds it open, or, when that cannot be known, after `stale_after_s` without a change in
+    the folder. Returns what it did, or None when there was no lock or it went away."""
     lock = folder / "lock"
     said = False
     while True:
@@ -60,18 +89,21 @@ def clear_stale_lock(folder: Path, stale_after_s: float = STALE_AFTER_S, poll_s:
             return None
         if not lock.exists():
             return None
-        if idle >= stale_after_s:
+        holder = held_open(lock)
+        if holder is False or idle >= stale_after_s:
+            why = "no process holds it" if holder is False else f"nothing in {folder} changed for {idle / 60:.0f} min"
             aside = lock.with_name(f"lock.stale-{int(time.time())}-{os.getpid()}")
             try:
                 os.replace(lock, aside)
             except FileNotFoundError:
                 return None  # another rank moved it, or the build finished
-            return (f"moved aside a stale build lock {lock} (nothing in {folder} changed for {idle / 60:.0f} min: "
-                    f"a killed build left it); kept as {aside.name}")
+            return f"moved aside a stale build lock {lock} ({why}: a killed build left it); kept as {aside.name}"
         if announce and not said:
             said = True
-            log.warning(f"waiting for another process's build in {folder} (lock {lock}); at most "
-                        f"{(stale_after_s - idle) / 60:.0f} min more if it has died")
+            log.warning(
+                f"waiting for another process's build in {folder} (lock {lock}); at most "
+                f"{(stale_after_s - idle) / 60:.0f} min more if it stops changing"
+            )
         time.sleep(min(poll_s, stale_after_s - idle))
 
 
