@@ -31,7 +31,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     run_dir = cfg.experiment_dir
     t = cfg.train
     logs.setup_worker(rank)
-    opbuild.prepare(not cfg.scaling.use_gpu, optimizer_offloaded(cfg), announce=rank == 0)
+    opbuild.prepare(not cfg.scaling.use_gpu, cfg.deepspeed.optimizer_offloaded, announce=rank == 0)
     seed_everything(t.seed + rank)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the process group Ray created
 
