@@ -32,6 +32,8 @@ NOISE = re.compile(
             r"Setting accelerator to CPU",  # DeepSpeed, on purpose here
             r"CUDA-enabled jaxlib is not installed",  # JAX, imported by a library; this app does not use it
             r"has constructor arguments in the object store",  # Ray Train's PreemptionWatcher, a Ray-internal note
+            r"Failed to send resource request for",  # Ray Train's autoscaling client on a busy CPU; "safe to ignore"
+            r"^ray\.exceptions\.GetTimeoutError: Get timed out",  # ... and the end of its traceback
             # Ray Train's controller narrating the worker group's start (the app says what it is doing instead):
             r"^Requesting resources|^Attempting to start training worker group|^Started training worker group|^- \(ip=",
         )
@@ -44,6 +46,7 @@ QUIET_SOURCES = ("PlacementGroupCleaner",)
 # TrainController's are kept (but NOISE): it reports worker failures and restarts that way.
 RAW_HIDDEN_SOURCES = ("RayTrainWorker",)
 
+_TRACEBACK_BODY = re.compile(r'^(Traceback \(most recent call last\):|  File "|    \S|\s*\^+$)')
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\].*$")
 _RAY_PREFIX = re.compile(r"^\((?P<source>[\w.<>-]+)(?: pid=\w+)?(?:, ip=[\w.:-]+)?\) ?(?P<rest>.*)$")
@@ -89,8 +92,8 @@ def view(line: str, source: str | None = None) -> str | None:
         return line + (f"  [{source}]" if source else "")
     if NOISE.search(line) or not line.strip():
         return None
-    if source in RAW_HIDDEN_SOURCES:
-        return None
+    if source in RAW_HIDDEN_SOURCES or (source and _TRACEBACK_BODY.match(line)):
+        return None  # a traceback's frames; its last line, the error itself, stays
     return line if source is None else f"({source}) {line}"
 
 

@@ -179,6 +179,9 @@ def test_captured_disassembly_never_reaches_the_log():
             "on this machine, but a CUDA-enabled jaxlib is not installed. Falling back to cpu."
         ),
         "(TrainController pid=9651) Attempting to start training worker group of size 2 with the following resources",
+        "(TrainController pid=3) Failed to send resource request for train-e00e. If this only happens transiently",
+        "(TrainController pid=3) ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready.",
+        '(TrainController pid=3)   File "/x/ray/train/v2/_internal/execution/controller.py", line 1, in run',
         "2026-11-30 11:22:28,828\tINFO worker.py:2038 -- Started a local Ray instance.",
         "[2026-11-30 11:22:04,127] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.",
     ],
