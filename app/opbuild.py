@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -107,9 +109,20 @@ def clear_stale_lock(
         time.sleep(min(poll_s, stale_after_s - idle))
 
 
+def use_this_environments_ninja() -> None:
+    """torch builds with the first `ninja` on PATH. This environment's own (pip's `ninja`, a DeepSpeed
+    dependency) goes first: builds then need no system ninja, and two ninja versions never take turns on one
+    build folder (each reads the other's .ninja_log as 'command line changed' and rebuilds the op, 1-2 min,
+    at every start: seen here with /usr/bin/ninja 1.11 and the venv's 1.13)."""
+    bin_dir = Path(sys.executable).parent
+    if (bin_dir / "ninja").exists() and shutil.which("ninja") != str(bin_dir / "ninja"):
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def prepare(cpu_workers: bool, offloaded_optimizer: bool, announce: bool) -> None:
-    """Before DeepSpeed starts: clears stale locks of the ops it will build or load, and (on rank 0) says when
-    a first-time build is about to run and how long it takes."""
+    """Before DeepSpeed starts: this environment's ninja first on PATH, stale locks of the ops it will build or
+    load cleared, and (on rank 0) a line when a first-time build is about to run and how long it takes."""
+    use_this_environments_ninja()
     for name in needed(cpu_workers, offloaded_optimizer):
         folder = build_folder(name)
         if folder.is_dir():

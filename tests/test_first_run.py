@@ -272,3 +272,15 @@ def test_a_fresh_lock_that_no_process_holds_is_stale_at_once(tmp_path):
     started = time.monotonic()
     moved = opbuild.clear_stale_lock(folder, stale_after_s=300, poll_s=0.1)
     assert moved and "no process holds it" in moved and time.monotonic() - started < 5
+
+
+def test_builds_use_this_environments_ninja(monkeypatch):
+    """Two ninja versions taking turns on one build folder rebuild the op at every start."""
+    import shutil
+
+    own = Path(sys.executable).parent / "ninja"
+    if not own.exists():
+        pytest.skip("this environment has no ninja of its own")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    opbuild.use_this_environments_ninja()
+    assert shutil.which("ninja") == str(own)
