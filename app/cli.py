@@ -141,6 +141,8 @@ def cmd_train(args) -> int:
               file=sys.stderr)
         return 1
     final = cfg.experiment_dir / "final"
+    if (final / "config.json").exists():
+        share_like_the_rest(final)
     metrics = result.metrics or {}
     print(f"done: {cfg.experiment.name} at global step {metrics.get('global_step')}, checkpoint {metrics.get('checkpoint')}")
     if (final / "model.safetensors").exists() or any(final.glob("*.safetensors")):
@@ -171,13 +173,23 @@ def finish_again(cfg: config_mod.TrainingConfig, checkpoint: Path, state: dict, 
         from app import driver
 
         print(f"exporting {checkpoint.name} to {final} ...", flush=True)
-        driver.export_final(cfg, checkpoint)
+        share_like_the_rest(driver.export_final(cfg, checkpoint))
         exported = True
     if exported:
         print(f"final model: {final}")
     print("nothing to train: raise train.epochs (or train.max_steps) to continue it, or use a new experiment name"
           + ("" if re_export else "; --re-export writes final/ again"))
     return 0
+
+
+def share_like_the_rest(folder: Path) -> None:
+    """transformers writes the weights through a private temporary file (mode 0600) while the config and the
+    tokenizer get the umask's mode (0644): every file of an exported folder gets the config's mode, so whoever
+    may read the model may read its weights (a serving pod under another user, a teammate)."""
+    mode = (folder / "config.json").stat().st_mode & 0o777
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 def sample_generation(folder: Path, prompt: str = "The central bank", tokens: int = 12) -> str:
@@ -203,6 +215,7 @@ def cmd_export(args) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: cannot export {src}: {exc}", file=sys.stderr)
         return 1
+    share_like_the_rest(out)
     print(f"exported: {out}")
     return 0
 

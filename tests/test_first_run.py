@@ -58,8 +58,15 @@ def verbose_run(tmp_path_factory, tiny_model):
     return result.stdout + result.stderr
 
 
+def _modes(folder: Path) -> dict[str, str]:
+    return {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()}
+
+
 def test_a_default_run_of_16_steps_is_quiet(quiet_run):
-    _, _, out = quiet_run
+    storage, _, out = quiet_run
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert set(_modes(storage / "quiet" / "final").values()) == {oct(0o666 & ~umask)}  # the weights too
     lines = out.splitlines()
     assert len(lines) <= MAX_LINES, f"{len(lines)} lines:\n{out}"
     for noise in NOISE:
@@ -129,6 +136,7 @@ def test_a_finished_experiment_deployed_again_says_so_and_stops(quiet_run):
     # Asked to, it exports again (without a cluster); more epochs would train on.
     result = run_cli("train", *tiny_overrides(storage, "quiet", model, **RUN), "--re-export", env=USER_ENV)
     assert result.returncode == 0 and final.stat().st_mtime_ns != before, result.stdout + result.stderr
+    assert len(set(_modes(final.parent).values())) == 1, _modes(final.parent)
 
 
 def test_captured_disassembly_never_reaches_the_log():
@@ -284,3 +292,18 @@ def test_builds_use_this_environments_ninja(monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     opbuild.use_this_environments_ninja()
     assert shutil.which("ninja") == str(own)
+
+
+def test_export_takes_an_experiment_folder_and_never_overwrites_silently(quiet_run, tmp_path):
+    storage, _, _ = quiet_run
+    out = tmp_path / "hf"
+    result = run_cli("export", str(storage / "quiet"), str(out))
+    assert result.returncode == 0, result.stderr
+    assert "exporting step-00000016, the newest complete checkpoint" in result.stderr, result.stderr
+    assert (out / "model.safetensors").exists() and len(set(_modes(out).values())) == 1, _modes(out)
+    again = run_cli("export", str(storage / "quiet"), str(out))
+    assert again.returncode == 2 and "OUT: already exists" in again.stderr and "--force" in again.stderr, again.stderr
+    assert run_cli("export", str(storage / "quiet"), str(out), "--force").returncode == 0
+    not_one = run_cli("export", str(storage), str(tmp_path / "other"))  # the storage root is no experiment
+    assert not_one.returncode == 2 and "nor an experiment folder with a complete checkpoint" in not_one.stderr
+    assert not (tmp_path / "other").exists()
