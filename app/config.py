@@ -13,7 +13,7 @@ import re
 import secrets
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -24,10 +24,16 @@ from app.errors import ConfigError, Problem
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_EXPERIMENT_NAME = 40  # leaves room for "-head-xxxxx"-style suffixes in a 47-char RayJob name
 NAME_PREFIX = "deepspeed-sample"
+# Bounds far above any real run, so that a typo (1e12) fails validation instead of an allocation or a hang.
+MAX_STEPS = 10**9
+MAX_BATCH = 65_536
+MAX_SEQ_LENGTH = 1 << 20
+MAX_WORKERS = 65_536
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and NaN are never meant: `learning_rate: .inf` would "train" to NaN and report success.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ExperimentConfig(Section):
@@ -45,7 +51,9 @@ class ExperimentConfig(Section):
         "fail", description="When another live run holds this experiment: fail at once, or wait for it to end."
     )
     lease_timeout_s: float = Field(
-        120, gt=0, description="A run whose lease heartbeat is older than this is dead; the next deploy takes over."
+        120, gt=0, le=86_400,
+        description="A run whose lease heartbeat is older than this is dead; the next deploy takes over (at once when "
+        "its process or pod is provably gone)."
     )
 
     @field_validator("name")
@@ -119,15 +127,15 @@ class DataConfig(Section):
     text_field: str = Field("text", description="Column holding the text to train on.")
     eval_split: str | None = Field(None, description="Evaluation split (same syntax); excludes eval_fraction.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of the train split for eval.")
-    seq_length: int = Field(512, gt=0, description="Tokens per sequence (block size when packing).")
+    seq_length: int = Field(512, gt=0, le=MAX_SEQ_LENGTH, description="Tokens per sequence (block size when packing).")
     packing: bool = Field(
         True,
         description="Concatenate documents with EOS between them into full seq_length blocks (no padding). "
         "false: the tutorial's pad-to-seq_length, with padding excluded from the loss.",
     )
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by train.seed, resumable).")
-    num_proc: int | None = Field(None, ge=1, description="Processes for tokenization (null: up to 8, by CPUs).")
-    loader_workers: int = Field(1, ge=0, description="DataLoader worker processes per training worker.")
+    num_proc: int | None = Field(None, ge=1, le=256, description="Processes for tokenization (null: up to 8, by CPUs).")
+    loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per training worker.")
 
     @field_validator("dataset")
     @classmethod
@@ -142,30 +150,39 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    epochs: int = Field(1, ge=1, description="Passes over the training split.")
+    epochs: int = Field(1, ge=1, le=MAX_STEPS, description="Passes over the training split.")
     max_steps_per_epoch: int | None = Field(
-        30, ge=1, description="Optimizer steps per epoch (the tutorial's 30); null: the whole epoch."
+        30, ge=1, le=MAX_STEPS, description="Optimizer steps per epoch (the tutorial's 30); null: the whole epoch."
     )
-    max_steps: int | None = Field(None, ge=1, description="Total optimizer steps; null: all epochs.")
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per worker per forward pass.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    learning_rate: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Total optimizer steps; null: all epochs.")
+    micro_batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Sequences per worker per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_BATCH, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(1e-6, gt=0, le=1, description="Peak learning rate (above 1 is never meant).")
     weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0)
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="constant (the tutorial's), or linear/cosine decay after warmup."
     )
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 turns it off.")
+    nonfinite_steps_limit: int = Field(
+        3, ge=1, le=1000,
+        description="Stop the run (exit 1, keeping the last good checkpoint) after this many consecutive optimizer "
+        "steps with a non-finite loss or gradient norm. fp16's loss scaler skips overflowed steps by itself: for "
+        "fp16 only the loss counts.",
+    )
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Fills deepspeed bf16/fp16 'auto'.")
-    seed: int = Field(42, description="Seeds model init, data order and dropout on every rank.")
-    log_every_steps: int = Field(1, ge=1, description="Progress line and TensorBoard scalars every N steps.")
-    eval_every_steps: int | None = Field(None, ge=1, description="Evaluate every N steps (and at the end).")
-    eval_max_batches: int | None = Field(None, ge=1, description="Cap on eval batches per evaluation.")
+    seed: int = Field(42, ge=0, le=2**31 - 1, description="Seeds model init, data order and dropout on every rank.")
+    log_every_steps: int = Field(1, ge=1, le=MAX_STEPS,
+                                 description="Progress line and TensorBoard scalars every N steps.")
+    eval_every_steps: int | None = Field(None, ge=1, le=MAX_STEPS,
+                                         description="Evaluate every N steps (and at the end).")
+    eval_max_batches: int | None = Field(None, ge=1, le=MAX_STEPS, description="Cap on eval batches per evaluation.")
     stop_after_steps: int | None = Field(
         None,
         ge=1,
+        le=MAX_STEPS,
         description="Stop the run (as a preemption would) after this global step, once its checkpoint is "
         "saved; the next deploy resumes. For drills and tests.",
     )
@@ -173,18 +190,18 @@ class TrainConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int | None = Field(
-        None, ge=1, description="Save every N optimizer steps, in addition to each epoch's end."
+        None, ge=1, le=MAX_STEPS, description="Save every N optimizer steps, in addition to each epoch's end."
     )
-    keep: int = Field(3, ge=1, description="Checkpoints kept (Ray's CheckpointConfig.num_to_keep).")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (Ray's CheckpointConfig.num_to_keep).")
     export_final: bool = Field(True, description="Write <storage>/<experiment>/final/ as a Hugging Face folder.")
 
 
 class ScalingConfig(Section):
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (one per GPU when use_gpu).")
+    num_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Ray Train workers (one per GPU when use_gpu).")
     use_gpu: bool = Field(True, description="One GPU per worker, NCCL; false: CPU workers, gloo, DS_ACCELERATOR=cpu.")
-    cpus_per_worker: float = Field(1, gt=0, description="CPUs Ray reserves for each worker.")
+    cpus_per_worker: float = Field(1, gt=0, le=1024, description="CPUs Ray reserves for each worker.")
     max_failures: int = Field(
-        0, ge=-1, description="Worker-group restarts within one run (Ray's FailureConfig; -1: unlimited)."
+        0, ge=-1, le=1000, description="Worker-group restarts within one run (Ray's FailureConfig; -1: unlimited)."
     )
 
 
@@ -224,9 +241,11 @@ def set_override(doc: dict[str, Any], assignment: str) -> None:
     if not all(parts):
         raise ConfigError([Problem("--set", assignment, "empty key segment", "write dotted keys like a.b.c")])
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
+        value = read_yaml(raw, f"--set {key}", key.strip()) if raw != "" else ""
+    except ConfigError as exc:
+        if "not valid YAML" not in exc.problems[0].message:
+            raise
+        value = raw  # like helm: what does not parse is a string
     node = doc
     for part in parts[:-1]:
         child = node.get(part)
@@ -240,22 +259,100 @@ def set_override(doc: dict[str, Any], assignment: str) -> None:
 def load_document(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     doc: dict[str, Any] = {}
     if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError([Problem("CONFIG", str(path), f"cannot read: {exc.strerror}", "pass a YAML file")])
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError([Problem("CONFIG", str(path), f"not valid YAML: {exc}".replace("\n", " "), "fix the syntax")])
+        loaded = read_yaml(_read_text(Path(path)), str(path))
         if loaded is None:
-            loaded = {}
+            # A truncated ConfigMap or a wrong file, not a wish for the defaults (those need no file at all).
+            raise ConfigError([Problem("CONFIG", str(path), "is empty (or only comments)",
+                                       "write the config's sections (see examples/), or leave out the file "
+                                       "argument to run the tutorial's defaults")])
         if not isinstance(loaded, dict):
             raise ConfigError([Problem("CONFIG", str(path), "must be a YAML mapping of sections", "see examples/")])
         doc = loaded
     for assignment in overrides:
         set_override(doc, assignment)
     return doc
+
+
+# A training config is a few kilobytes and a few hundred YAML values; far beyond that is a mistake or an attack
+# (a "billion laughs" of nested aliases expands to 10^10 values from a few lines).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_VALUES = 10_000
+
+
+def _read_text(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError([Problem("CONFIG", str(path), f"cannot read: {exc.strerror}", "pass a YAML file")]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([Problem("CONFIG", str(path), f"is larger than {MAX_CONFIG_BYTES >> 20} MiB, which no "
+                                   "training config is", "pass the training config YAML, not a data or model file")])
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        byte = f"0x{raw[exc.start]:02x}"
+        raise ConfigError([Problem("CONFIG", str(path), f"is not UTF-8 text (byte {byte} on line {line})",
+                                   "save it as UTF-8, e.g. iconv -f latin1 -t utf-8")]) from None
+
+
+def read_yaml(text: str, where: str, root: str = "") -> Any:
+    """safe_load that refuses duplicate keys (YAML would keep the last one silently) and aliases that expand
+    beyond MAX_YAML_VALUES values, both judged on the node graph before any value is built."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, root, {}, set())
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        message = f"not valid YAML: {exc}".replace("\n", " ")
+        raise ConfigError([Problem("CONFIG", where, message, "fix the syntax")]) from None
+    except RecursionError:
+        raise ConfigError([Problem("CONFIG", where, "is nested too deeply", "flatten the YAML")]) from None
+    finally:
+        loader.dispose()
+
+
+def _check_nodes(node: yaml.Node, path: str, sizes: dict[int, int], open_: set[int]) -> int:
+    """How many values `node` expands to (each shared alias target counted once per use, computed once)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_:
+        line = f"line {node.start_mark.line + 1}"
+        raise ConfigError([Problem(path or "CONFIG", line, "a YAML anchor contains itself",
+                                   "remove the self-referencing alias (&a ... *a)")])
+    open_.add(id(node))
+    total = 1
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            line = key.start_mark.line + 1
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if (key.tag, key.value) in lines:
+                    raise ConfigError([Problem(_join(path, key.value), key.value, f"is given twice (lines "
+                                               f"{lines[key.tag, key.value]} and {line}); YAML would silently keep "
+                                               "the last", "remove one of them")])
+                lines[key.tag, key.value] = line
+            total += _check_nodes(key, path, sizes, open_)
+            total += _check_nodes(value, _join(path, getattr(key, "value", "?")), sizes, open_)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            total += _check_nodes(item, _join(path, str(i)), sizes, open_)
+    open_.discard(id(node))
+    sizes[id(node)] = total
+    if total > MAX_YAML_VALUES:
+        raise ConfigError([Problem(path or "CONFIG", f"more than {MAX_YAML_VALUES:,} values",
+                                   "YAML aliases (*name) expand to far more values than any config has "
+                                   "(an alias bomb?)",
+                                   "write the values out, or use fewer nested aliases")])
+    return total
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
 def parse(doc: dict[str, Any]) -> TrainingConfig:
@@ -305,6 +402,9 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
         "bool_parsing": "use true or false",
         "model_type": "use a mapping of keys",
         "dict_type": "use a mapping of keys",
+        "finite_number": "use a finite number (not .inf or .nan)",
+        "less_than_equal": "use a value within that bound (see the field's description in README.md)",
+        "less_than": "use a value within that bound (see the field's description in README.md)",
     }.get(err["type"], "see the field's description in README.md")
     if loc and loc[-1] == "name":
         fix = "rename it, e.g. 'gpt2-agnews-1'"

@@ -6,9 +6,11 @@ restarted job does not tokenize again, and it is built once (by global rank 0) a
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -19,11 +21,13 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from app.config import DataConfig, Problem
+from app.config import DataConfig
+from app.errors import Problem, _short
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 COLUMNS_PACKED = ["input_ids", "labels"]
 COLUMNS_PADDED = ["input_ids", "attention_mask", "labels"]
+log = logging.getLogger("finetune")
 
 
 def is_local(spec: str) -> bool:
@@ -57,11 +61,16 @@ def _saved_dataset(path: Path) -> bool:
 
 
 def check_source(cfg: DataConfig) -> list[Problem]:
-    """What can be checked about the data source before any worker starts."""
+    """What can be checked about the data source before any worker starts: that it exists, and, for local data,
+    its columns and a sample of its rows."""
     if not is_local(cfg.dataset):
+        if looks_like_path(cfg.dataset):
+            return [Problem("data.dataset", cfg.dataset, f"no such file or folder (relative paths start at "
+                            f"{os.getcwd()}; a hub dataset name has no file suffix and at most one '/')",
+                            "check the path")]
         return []  # a hub name: only the run can reach the hub
     if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
-        return []
+        return _saved_problems(cfg)
     try:
         files = _local_files(cfg.dataset)
     except TooManyFiles:
@@ -72,7 +81,177 @@ def check_source(cfg: DataConfig) -> list[Problem]:
     kinds = {LOCAL_BUILDERS.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) > 1:
         return [Problem("data.dataset", cfg.dataset, f"mixed or unknown file types {sorted(map(str, kinds))}", "point it at files of one type")]
+    return _sample_problems(cfg, files, kinds.pop())
+
+
+def looks_like_path(spec: str) -> bool:
+    """A hub dataset is 'name' or 'owner/name': a data file's suffix, a glob character or a second '/' make a path."""
+    return Path(spec).suffix in LOCAL_BUILDERS or any(c in spec for c in "*?[") or spec.count("/") > 1
+
+
+# --- what a sample of local data shows ---------------------------------------------------------------------
+SAMPLE_ROWS = 1000
+SAMPLE_BYTES = 8 << 20
+SAMPLE_FILES = 16
+
+
+def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Problem]:
+    """Columns and text of the first rows of (up to SAMPLE_FILES of) the files, read as `datasets` will read them."""
+    field, usable, whole, sampled = cfg.text_field, 0, len(files) <= SAMPLE_FILES, 0
+    for file in files[:SAMPLE_FILES]:
+        if os.path.getsize(file) == 0:
+            continue  # `datasets` reads an empty file among others as no rows; all of them empty is refused below
+        try:
+            columns, values, complete = _read_sample(file, kind, field)
+        except ValueError as exc:
+            return [Problem("data.dataset", file, f"cannot be read as {kind}: {str(exc).splitlines()[0][:200]}",
+                            f"fix the file, or point data.dataset at {kind} files")]
+        if columns is None:  # a large JSON array: no cheap sample
+            whole = False
+            continue
+        sampled += 1
+        if field not in columns:
+            names = [str(c) for c in columns]
+            guess = difflib.get_close_matches(field, names, n=1) or names[: len(names) == 1]
+            fix = f"did you mean '{guess[0]}'?" if guess else "set data.text_field to the column with the text"
+            return [Problem("data.text_field", field, f"no such column in {file}; its columns are {names}", fix)]
+        wrong = next((v for v in values if v is not None and not isinstance(v, str)), None)
+        if wrong is not None:
+            return [Problem("data.text_field", field, f"column '{field}' of {file} holds {type(wrong).__name__} "
+                            f"values (e.g. {_short(wrong)}), not text",
+                            "set data.text_field to the column that holds the text")]
+        usable += sum(1 for v in values if v is not None and v.strip())
+        whole = whole and complete
+    if sampled == 0 and whole:
+        return [Problem("data.dataset", cfg.dataset, "is empty" if len(files) == 1 else "every file is empty",
+                        "point it at your data")]
+    if usable == 0 and whole:
+        return [Problem("data.text_field", field, f"no row of {cfg.dataset} has text in column '{field}' (every value "
+                        "is empty or null)", "point data.dataset at data with text, or set data.text_field")]
     return []
+
+
+def _read_sample(file: str, kind: str, field: str) -> tuple[list | None, list, bool]:
+    """(columns, the text field's values in the first rows, whether that is the whole file)."""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(file)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises its own types for a damaged file
+            raise ValueError(str(exc)) from None
+        columns = pf.schema_arrow.names
+        batch = next(pf.iter_batches(batch_size=SAMPLE_ROWS, columns=[field]), None) if field in columns else None
+        values = batch.column(0).to_pylist() if batch is not None else []
+        return columns, values, pf.metadata.num_rows <= SAMPLE_ROWS
+    if kind == "csv":
+        import pandas as pd
+
+        try:
+            frame = pd.read_csv(file, nrows=SAMPLE_ROWS)  # what `datasets`' csv builder uses
+        except pd.errors.EmptyDataError:
+            return [], [], True
+        except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+            raise ValueError(str(exc)) from None
+        values = [None if pd.isna(v) else v for v in frame[field]] if field in frame.columns else []
+        values = [v.item() if hasattr(v, "item") else v for v in values]  # numpy scalars: report the plain type
+        return list(frame.columns), values, len(frame) < SAMPLE_ROWS
+    with open(file, "rb") as f:
+        raw = f.read(SAMPLE_BYTES)
+    complete = len(raw) < SAMPLE_BYTES
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if complete or exc.start < len(raw) - 4:  # not just a character cut by the sample's end
+            raise ValueError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+        text = raw[: exc.start].decode("utf-8")
+    lines = text.splitlines() if complete else text.splitlines()[:-1]
+    if kind == "text":
+        return ["text"], lines[:SAMPLE_ROWS], complete and len(lines) <= SAMPLE_ROWS
+    return _json_sample(text, lines, complete, field)
+
+
+def _json_sample(text: str, lines: list[str], complete: bool, field: str) -> tuple[list | None, list, bool]:
+    rows = [line for line in lines if line.strip()]
+    if not rows:
+        return [], [], complete
+    try:
+        first = json.loads(rows[0])
+    except ValueError:
+        first = None
+    if isinstance(first, dict):  # JSON Lines
+        records = []
+        for n, line in enumerate(rows[:SAMPLE_ROWS]):
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"line {n + 1} is not JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"line {n + 1} is not a JSON object")
+            records.append(record)
+        columns = list(dict.fromkeys(k for r in records for k in r))
+        return columns, [r.get(field) for r in records], complete and len(rows) <= SAMPLE_ROWS
+    if not complete:
+        return None, [], False
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"neither JSON Lines nor one JSON document ({exc})") from None
+    if isinstance(doc, list) and all(isinstance(r, dict) for r in doc):
+        columns = list(dict.fromkeys(k for r in doc for k in r))
+        return columns, [r.get(field) for r in doc[:SAMPLE_ROWS]], len(doc) <= SAMPLE_ROWS
+    if isinstance(doc, dict) and all(isinstance(v, list) for v in doc.values()):  # columns
+        return list(doc), list(doc.get(field, []))[:SAMPLE_ROWS], True
+    raise ValueError("a JSON document must be a list of objects or an object of column lists")
+
+
+def _saved_problems(cfg: DataConfig) -> list[Problem]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(os.path.expanduser(cfg.dataset))
+    except Exception as exc:  # noqa: BLE001 - a damaged folder raises many types
+        return [Problem("data.dataset", cfg.dataset, f"cannot be loaded ({type(exc).__name__})",
+                        "point it at a save_to_disk folder")]
+    if isinstance(loaded, datasets.DatasetDict):
+        name = cfg.split.partition("[")[0]
+        if name not in loaded:
+            return [Problem("data.split", cfg.split, f"no split '{name}'; it has {list(loaded)}", "use one of them")]
+        loaded = loaded[name]
+    field = cfg.text_field
+    if field not in loaded.column_names:
+        return [Problem("data.text_field", field, f"no such column; the columns are {loaded.column_names}",
+                        "set data.text_field to the column with the text")]
+    if getattr(loaded.features[field], "dtype", None) not in ("string", "large_string"):
+        return [Problem("data.text_field", field, f"column '{field}' holds {loaded.features[field]}, not text",
+                        "set data.text_field to the column that holds the text")]
+    if len(loaded) <= SAMPLE_ROWS and not any(v and v.strip() for v in loaded[field]):
+        return [Problem("data.text_field", field, f"no row has text in column '{field}'",
+                        "point data.dataset at data with text")]
+    return []
+
+
+def drop_untrainable(tokenized, cfg: DataConfig, what: str):
+    """Unpacked, a document of one token leaves no next token to predict: alone in a micro-batch its loss is 0/0
+    (NaN). Such rows are skipped with one log line."""
+    if cfg.packing:
+        return tokenized
+    kept = tokenized.filter(lambda batch: [int((torch.as_tensor(row) != -100).sum()) >= 2 for row in batch["labels"]],
+                            batched=True, desc="skip one-token rows")
+    if len(kept) < len(tokenized):
+        log.warning(f"skipped {len(tokenized) - len(kept):,} {what} documents of a single token (nothing to predict)")
+    return kept
+
+
+def drop_empty(raw, field: str, what: str):
+    """Rows whose text is empty, blank or null are skipped, with one log line, rather than crash the tokenizer."""
+    if field not in raw.column_names:
+        return raw
+    kept = raw.filter(lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch[field]], batched=True,
+                      desc="skip empty rows")
+    if len(kept) < len(raw):
+        log.warning(f"skipped {len(raw) - len(kept):,} of {len(raw):,} {what} rows whose '{field}' is empty or null")
+    return kept
 
 
 def load_split(cfg: DataConfig, split: str):
@@ -156,14 +335,17 @@ def prepare(cfg: DataConfig, tokenizer, tokenizer_name: str, cache_dir: Path, se
     key = cache_key(cfg, tokenizer_name, cfg.split, seed)
     final = cache_dir / f"tokenized-{key}"
     if rank == 0 and not (final / "done").exists():
-        raw = load_split(cfg, cfg.split)
-        evalset = load_split(cfg, cfg.eval_split) if cfg.eval_split else None
+        raw = drop_empty(load_split(cfg, cfg.split), cfg.text_field, "training")
+        evalset = drop_empty(load_split(cfg, cfg.eval_split), cfg.text_field, "eval") if cfg.eval_split else None
+        if cfg.text_field in raw.column_names and len(raw) == 0:
+            raise Problem("data.text_field", cfg.text_field, f"split {cfg.split} has no row with text",
+                          "point data.dataset at data with text")
         if cfg.eval_fraction:
             parts = raw.train_test_split(test_size=cfg.eval_fraction, seed=seed)
             raw, evalset = parts["train"], parts["test"]
-        parts = {"train": tokenize(raw, tokenizer, cfg, cfg.num_proc)}
+        parts = {"train": drop_untrainable(tokenize(raw, tokenizer, cfg, cfg.num_proc), cfg, "training")}
         if evalset is not None:
-            parts["eval"] = tokenize(evalset, tokenizer, cfg, cfg.num_proc)
+            parts["eval"] = drop_untrainable(tokenize(evalset, tokenizer, cfg, cfg.num_proc), cfg, "eval")
         if len(parts["train"]) == 0:
             raise Problem("data.seq_length", cfg.seq_length, "the split yields no training sequence", "use more data or a shorter seq_length")
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
