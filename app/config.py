@@ -300,8 +300,9 @@ def _read_text(path: Path) -> str:
 def read_yaml(text: str, where: str, root: str = "") -> Any:
     """safe_load that refuses duplicate keys (YAML would keep the last one silently) and aliases that expand
     beyond MAX_YAML_VALUES values, both judged on the node graph before any value is built."""
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # its reader already refuses control characters
         node = loader.get_single_node()
         if node is None:
             return None
@@ -313,7 +314,8 @@ def read_yaml(text: str, where: str, root: str = "") -> Any:
     except RecursionError:
         raise ConfigError([Problem("CONFIG", where, "is nested too deeply", "flatten the YAML")]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _check_nodes(node: yaml.Node, path: str, sizes: dict[int, int], open_: set[int]) -> int:

@@ -216,19 +216,35 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
     try:
         return trainer.fit()
     except Exception as exc:
-        # Ray's message starts with "Training failed due to worker errors"; put the app's own explanation of a
-        # checkpoint failure (full or read-only volume, unusable checkpoints) first, where the CLI shows it.
-        from app.checkpoint import CheckpointError
-
-        for rank, failure in sorted((getattr(exc, "worker_failures", None) or {}).items()):
-            cause = failure
-            for _ in range(8):  # the worker's exception, possibly wrapped by Ray
-                if cause is None or isinstance(cause, CheckpointError):
-                    break
-                cause = cause.__cause__ or getattr(cause, "cause", None)
-            if cause is not None:
-                raise RuntimeError(f"{cause} [rank {rank}]") from exc
+        # Ray's message starts with "Training failed due to worker errors": put the failing rank's own exception
+        # first, where the CLI shows it (Ray logs every worker's traceback above it).
+        failures = sorted((getattr(exc, "worker_failures", None) or {}).items())
+        causes = [(rank, _root_cause(failure)) for rank, failure in failures]
+        # A rank that fails because another one died (a closed connection in a collective) is not the cause.
+        causes.sort(key=lambda rc: type(rc[1]).__name__ == "DistBackendError" or "Connection closed" in str(rc[1]))
+        for rank, cause in causes:
+            raise RuntimeError(f"{_one_line(cause)} [rank {rank}]") from exc
         raise
+
+
+def _root_cause(failure: BaseException) -> BaseException:
+    """The worker's own exception, under the wrappers Ray adds (a cause chain of a few links)."""
+    cause = failure
+    for _ in range(8):
+        inner = cause.__cause__ or getattr(cause, "cause", None)
+        if not isinstance(inner, BaseException) or inner is cause:
+            break
+        cause = inner
+    return cause
+
+
+def _one_line(cause: BaseException) -> str:
+    from app.checkpoint import CheckpointError
+    from app.nonfinite import NonFiniteError
+
+    text = (str(cause).strip().splitlines() or [""])[0]
+    # The app's own errors are worded for the user; anything else shows its type, as a traceback would.
+    return text if isinstance(cause, (CheckpointError, NonFiniteError, Problem)) else f"{type(cause).__name__}: {text}"
 
 
 def finished_checkpoint(cfg: TrainingConfig) -> tuple[Path, dict[str, Any]] | None:

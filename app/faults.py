@@ -12,7 +12,14 @@ FINETUNE_FAULT_SAVE_PAUSE=PHASE:SECONDS[:STEP]
       before_state   rank 0, every shard written, trainer_state.json (the completion mark) not yet
       before_report  rank 0, the checkpoint is complete on disk but not yet reported to (registered by) Ray
 
-Both variables travel to the workers (driver.PASSTHROUGH_PREFIXES), on a cluster too.
+FINETUNE_FAULT_RAISE=PHASE:RANK[:STEP]
+    Raise RuntimeError on that rank only: at PHASE "data" (before data preparation) or "step" (after global
+    step STEP), while the other ranks go on into their next collective, as a bug or a bad row on one rank would.
+FINETUNE_FAULT_NAN_FROM_STEP=N
+    From global step N on, every rank's loss is multiplied by NaN before backward, so gradients and then the
+    weights become NaN, as a diverging run's would.
+
+These variables travel to the workers (driver.PASSTHROUGH_PREFIXES), on a cluster too.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from pathlib import Path
 
 log = logging.getLogger("finetune")
 KILL_AT_STEP = "FINETUNE_FAULT_KILL_AT_STEP"
+RAISE = "FINETUNE_FAULT_RAISE"
+NAN_FROM_STEP = "FINETUNE_FAULT_NAN_FROM_STEP"
 SAVE_PAUSE = "FINETUNE_FAULT_SAVE_PAUSE"
 PHASES = ("before_shards", "mid_shards", "before_state", "before_report")
 
@@ -41,6 +50,23 @@ def maybe_kill(step: int, rank: int, world: int, run_dir: Path) -> None:
     log.warning(f"FAULT INJECTION: rank {rank} (pid {os.getpid()}) kills itself with SIGKILL after step {step}")
     logging.shutdown()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_raise(phase: str, rank: int, step: int | None = None) -> None:
+    spec = os.environ.get(RAISE)
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] != phase or int(parts[1]) != rank or (phase == "step" and int(parts[2]) != step):
+        return
+    where = f"{phase} {step}" if phase == "step" else phase
+    raise RuntimeError(f"FAULT INJECTION: rank {rank} fails at {where} (at {time.time():.3f})")
+
+
+def maybe_poison(loss, step: int):
+    """`loss` (of the step about to be taken, `step`), times NaN once FINETUNE_FAULT_NAN_FROM_STEP is reached."""
+    at = os.environ.get(NAN_FROM_STEP)
+    return loss * float("nan") if at and step >= int(at) else loss
 
 
 def _pause_spec() -> tuple[str, float, int | None] | None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from app import checkpoint, data, faults, logs, opbuild
 from app.config import TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
+from app.nonfinite import NonFiniteGuard
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
 
 log = logging.getLogger("finetune")
@@ -37,6 +38,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     # Data: tokenized once into the shared cache, then a loader that can start mid-epoch.
     tokenizer = load_tokenizer(cfg.model)
+    faults.maybe_raise("data", rank)  # test-only: off unless FINETUNE_FAULT_RAISE
     train_set, eval_set = data.prepare(cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path,
                                        run_dir / "cache", t.seed, rank, barrier=dist.barrier)
     train_loader = data.make_loader(train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers)
@@ -91,6 +93,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     window_tokens = torch.zeros((), device=device)
     window_steps, window_start = 0, time.perf_counter()
     loader_clock = data.LoaderClock()
+    guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate)
+    step_loss = torch.zeros((), device=device)
     last: dict[str, Any] = {}
     stop = step >= total_steps
     for epoch in range(position["epoch"], t.epochs):
@@ -102,10 +106,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         for batch in loader_clock.timed(train_loader):
             if step_in_epoch >= steps_per_epoch:
                 break
-            loss = engine(**batch).loss
+            loss = faults.maybe_poison(engine(**batch).loss, step + 1)  # test-only: off unless set
             engine.backward(loss)
             engine.step()
             window_loss += loss.detach()
+            step_loss += loss.detach()
             window_tokens += (batch["labels"][:, 1:] != -100).sum()
             micro += 1
             if micro % t.gradient_accumulation_steps:
@@ -113,6 +118,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             step += 1
             step_in_epoch += 1
             window_steps += 1
+            guard.check(step, step_loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
+            step_loss.zero_()
 
             if step % t.log_every_steps == 0 or step == total_steps:
                 stats = torch.stack([window_loss / (window_steps * t.gradient_accumulation_steps), window_tokens])
@@ -132,12 +139,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             stop = step >= total_steps or (t.stop_after_steps is not None and step >= t.stop_after_steps)
             epoch_done = step_in_epoch >= steps_per_epoch
             every = cfg.checkpoint.every_steps
-            if (every and step % every == 0) or stop or epoch_done:
+            if ((every and step % every == 0) or stop or epoch_done) and guard.healthy:
                 if epoch_done:
                     save(epoch + 1, 0, last)
                 else:
                     save(epoch, step_in_epoch, last)
             faults.maybe_kill(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_KILL_AT_STEP
+            faults.maybe_raise("step", rank, step)  # test-only: off unless FINETUNE_FAULT_RAISE
             if stop:
                 break
 

@@ -60,6 +60,7 @@ CASES = {
     "only comments": (b"# todo\n\n", [], {}, ("CONFIG", "leave out the file argument")),
     "huge file": (b"train:\n  epochs: 1\n" + b"#" * (1 << 20) + b"\n", [], {}, ("CONFIG", "not a data or model file")),
     "binary file": (bytes(range(256)) * 4, [], {}, ("CONFIG", "UTF-8")),
+    "control character": (b"train:\n  epochs: \x1f\n", [], {}, ("CONFIG", "fix the syntax")),
     # -- numbers no run means
     "learning_rate .inf": (b"train:\n  learning_rate: .inf\n", [], {}, ("train.learning_rate", "finite number")),
     "learning_rate .nan": (None, ["train.learning_rate=.nan"], {}, ("train.learning_rate", "finite number")),
