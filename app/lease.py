@@ -9,6 +9,11 @@ takes it over under a second create-exclusive file, `.lease.takeover`, so that o
 one removes the stale lease and creates its own; the others find the new live lease. A holder that finds
 its lease gone or replaced stops the run at once rather than write beside the new holder.
 
+A contender also takes over at once, without waiting for the timeout, when the holder is provably gone: it ran
+on this host (same hostname, boot and pid namespace) and its process has ended (or its pid now belongs to a
+process started later), or it ran in a Kubernetes pod that no longer exists (or has ended). Where that cannot be
+proven (another host, no API access), only the timeout decides.
+
 Guarantee: at most one live holder, provided the clocks of the nodes and the file server agree to well
 within the timeout (NTP), and a holder is not frozen (SIGSTOP, a VM pause) for longer than the timeout; a
 frozen holder that wakes up stops at its next heartbeat, within timeout/4.
@@ -53,8 +58,10 @@ class Lease:
         self.on_lost = on_lost or _exit_lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.info = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                     "pod": os.environ.get("HOSTNAME") if os.environ.get("KUBERNETES_SERVICE_HOST") else None,
+        in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        self.info = {"token": self.token, **_identity(os.getpid()),
+                     "pod": os.environ.get("HOSTNAME") if in_pod else None,
+                     "namespace": _pod_namespace() if in_pod else None,
                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timeout_s": timeout_s}
 
     # -- acquiring -----------------------------------------------------------------------------------------
@@ -67,7 +74,7 @@ class Lease:
             holder, age = self.read()
             if holder is None:
                 continue  # released or being replaced between our two calls: try again
-            if age > self._limit(holder):
+            if self._stale(holder, age):
                 if self._take_over():
                     break
                 continue
@@ -106,12 +113,19 @@ class Lease:
             return False
         try:
             holder, age = self.read()  # judged again under the lock: it may have been taken over already
-            if holder is not None and age > self._limit(holder):
+            why = self._stale(holder, age) if holder is not None else None
+            if why:
                 self.path.unlink(missing_ok=True)
-                log.warning(f"took over the lease of a run that stopped heart-beating {age:.0f}s ago: {holder}")
+                log.warning(f"took over the lease of a run that {why}: {holder}")
             return self._try_create()
         finally:
             lock.unlink(missing_ok=True)
+
+    def _stale(self, holder: dict, age: float) -> str | None:
+        """Why the holder no longer holds the lease, or None while it may still be alive."""
+        if age > self._limit(holder):
+            return f"stopped heart-beating {age:.0f}s ago"
+        return holder_gone(holder)
 
     def _limit(self, holder: dict) -> float:
         """A lease is stale after the longer of the two runs' timeouts: a contender configured with a short
@@ -174,3 +188,86 @@ def _exit_lost(lease: Lease, holder: dict | None) -> None:
     log.error(f"lost the lease on {lease.path.parent} (now held by {holder}); stopping so that two runs never "
               "write the same experiment folder")
     os._exit(3)
+
+
+# --- is the holder provably gone? ----------------------------------------------------------------------------
+
+
+def _identity(pid: int) -> dict:
+    """Where a process runs: with the same host, boot and pid namespace, its pid can be looked up here."""
+    return {"host": socket.gethostname(), "pid": pid, "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "pid_ns": _link("/proc/self/ns/pid"), "pid_start": _process(pid)[1] if _process(pid) else None}
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _link(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def _process(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks after boot) of a live process, or None when there is none."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)", which may hold spaces
+    return fields[0], fields[19]
+
+
+def _pod_namespace() -> str | None:
+    from app.kube import SA_NAMESPACE_FILE
+
+    return _read(SA_NAMESPACE_FILE) or os.environ.get("FINETUNE_RAYJOB_NAMESPACE")
+
+
+def holder_gone(holder: dict) -> str | None:
+    """Why the lease's holder is certainly gone, or None when that cannot be proven."""
+    here = _identity(os.getpid())
+    pid = holder.get("pid")
+    same_machine = here["boot_id"] is not None and all(holder.get(k) == here[k] for k in ("host", "boot_id", "pid_ns"))
+    if same_machine and isinstance(pid, int) and pid > 0:
+        proc = _process(pid)
+        if proc is None or proc[0] in ("Z", "X"):  # a zombie has exited; only its exit status is left
+            return f"ran as pid {pid} on this host, which has ended"
+        if holder.get("pid_start") and proc[1] != holder["pid_start"]:
+            return f"ran as pid {pid} on this host, which now belongs to a process started later"
+        return None
+    if holder.get("pod") and holder.get("namespace"):
+        return _pod_gone(str(holder["namespace"]), str(holder["pod"]))
+    return None
+
+
+def _pod_gone(namespace: str, pod: str) -> str | None:
+    """Asks the Kubernetes API (the pod's ServiceAccount needs `get pods`); any failure proves nothing."""
+    from app import kube
+
+    try:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        api, _, _ = kube.connect(prefer_in_cluster=True, retries=False)
+        with api:
+            found = client.CoreV1Api(api).read_namespaced_pod(
+                pod, namespace, _request_timeout=(kube.CONNECT_TIMEOUT_S, kube.READ_TIMEOUT_S))
+    except ApiException as exc:
+        if exc.status == 404:
+            return f"ran in pod {namespace}/{pod}, which no longer exists"
+        log.info(f"cannot tell whether the lease holder's pod exists, so its lease expires by timeout: "
+                 f"{kube.describe(exc, 'get pods', namespace)}")
+        return None
+    except Exception as exc:  # noqa: BLE001 - no credentials, no network: the timeout decides
+        log.info(f"cannot tell whether the lease holder's pod exists ({kube.describe(exc, 'get pods', namespace)}); "
+                 "its lease expires by timeout")
+        return None
+    phase = getattr(found.status, "phase", None)
+    if phase in ("Succeeded", "Failed"):
+        return f"ran in pod {namespace}/{pod}, which has ended ({phase})"
+    return None
