@@ -43,13 +43,16 @@ def test_role_is_patch_of_the_own_rayjob_only(values):
     name = one(objects, "RayJob")["metadata"]["name"]
     role = one(objects, "Role")
     assert role["rules"] == [{"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [name],
-                              "verbs": ["patch"]}]
+                              "verbs": ["patch"]},
+                             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]  # the lease check
     rules = role["rules"]
     assert allowed(rules, "patch", "ray.io", "rayjobs", name)
+    assert allowed(rules, "get", "", "pods", "exp1-head-abcde")
     for verb, resource, other in [("patch", "rayjobs", "someone-elses-job"), ("get", "rayjobs", name),
                                   ("patch", "rayjobs/status", name), ("update", "rayjobs", name),
                                   ("list", "rayjobs", None), ("create", "rayjobs", None),
-                                  ("get", "secrets", name), ("patch", "rayclusters", name)]:
+                                  ("get", "secrets", name), ("patch", "rayclusters", name), ("list", "pods", None),
+                                  ("patch", "pods", name), ("get", "pods/log", name), ("create", "pods/exec", name)]:
         assert not allowed(rules, verb, "ray.io" if "ray" in resource else "", resource, other), (verb, resource, other)
     # The binding names the release namespace (kustomize rewrites it for an overlay with `namespace:`).
     binding = one(objects, "RoleBinding")
@@ -65,14 +68,14 @@ def test_binding_follows_the_release_namespace():
 
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_tokens_are_mounted_only_where_used(values):
-    """Workers run Ray Train's rank 0 (the progress writer) and mount the token; the submitter never calls the
-    API; the head only with CPU training (rank 0 may land there) or the autoscaler sidecar."""
+    """Workers run Ray Train's rank 0 (the progress writer) and the head the driver (the lease check): they mount
+    the token; the submitter never calls the API."""
     objects = render(values)
     sa = one(objects, "ServiceAccount")
     assert sa["automountServiceAccountToken"] is False
     for role, tpl in pod_templates(objects).items():
         spec = tpl["spec"]
-        assert spec["automountServiceAccountToken"] is role.startswith("worker/"), role
+        assert spec["automountServiceAccountToken"] is (role.startswith("worker/") or role == "head"), role
         if role != "submitter":
             assert spec["serviceAccountName"] == sa["metadata"]["name"], role
         else:
@@ -80,6 +83,8 @@ def test_tokens_are_mounted_only_where_used(values):
 
 
 @pytest.mark.parametrize("sets, head_token", [
+    ([], True),
+    (["progressReporting.rbac.create=false"], False),
     (["training.scaling.use_gpu=false", "workers.gpu.gpus=0"], True),
     (["autoscaling.enabled=true"], True),
     (["progressReporting.enabled=false"], False),

@@ -184,12 +184,11 @@ training.* as the chart's checks read it: the values over the app's defaults of 
 
 {{/*
 Whether the head pod mounts a ServiceAccount token ("true"/"false"): only when something on it calls the API.
-KubeRay's autoscaler sidecar does; and with CPU training (scaling.use_gpu false) Ray may place Ray Train's
-rank 0, the progress writer, on the head. GPU training workers never run there (num-gpus 0).
+KubeRay's autoscaler sidecar does; so does the driver, which asks whether the pod of a stale lease's holder
+still exists (app/lease.py), whenever the chart creates the account and its Role.
 */}}
 {{- define "ray-finetune.headToken" -}}
-{{- $cpuTraining := eq (toString (dig "scaling" "use_gpu" true (.Values.training | default dict))) "false" -}}
-{{- or .Values.autoscaling.enabled (and .Values.progressReporting.enabled $cpuTraining) -}}
+{{- or .Values.autoscaling.enabled (and .Values.progressReporting.enabled .Values.progressReporting.rbac.create) -}}
 {{- end }}
 
 {{- define "ray-finetune.serviceAccountName" -}}
