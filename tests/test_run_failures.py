@@ -23,7 +23,7 @@ def test_error_on_one_rank_ends_the_run_within_a_minute(phase, tmp_path, tiny_mo
     """Rank 1 alone raises, while rank 0 goes on into a collective (the data barrier, or the next step's
     all-gather) that can never complete: the run still ends, exit 1, the error line naming rank 1's exception."""
     result = run_cli("train", *tiny_overrides(tmp_path, "rank-fault", tiny_model, **STEPS),
-                     env={"FINETUNE_FAULT_RAISE": phase}, timeout=400)
+                     env={"FINETUNE_FAULT_RAISE": phase}, timeout=900)
     ended = time.time()
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-6000:]
@@ -40,7 +40,7 @@ def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_pat
     at step 6 with exit 1, naming the steps and the likely cause, and step 4, the last finite one, is what stays."""
     sets = {**STEPS, "train.nonfinite_steps_limit": 2}
     result = run_cli("train", *tiny_overrides(tmp_path, "nan", tiny_model, **sets),
-                     env={"FINETUNE_FAULT_NAN_FROM_STEP": "5"}, timeout=400)
+                     env={"FINETUNE_FAULT_NAN_FROM_STEP": "5"}, timeout=900)
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-6000:]
     line = next((ln for ln in result.stderr.splitlines() if ln.startswith("error: training of nan failed")), "")
