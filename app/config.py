@@ -133,6 +133,13 @@ class DataConfig(Section):
         description="Concatenate documents with EOS between them into full seq_length blocks (no padding). "
         "false: the tutorial's pad-to-seq_length, with padding excluded from the loss.",
     )
+    separate_documents: bool = Field(
+        True,
+        description="With packing: each document gets its own position ids (from 0) and attends only to itself "
+        "(variable-length FlashAttention on GPUs, a block-diagonal mask on CPUs), and no token is predicted "
+        "from the previous document. false: documents in a block attend to the ones before them (slightly "
+        "faster, but they leak into each other).",
+    )
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by train.seed, resumable).")
     num_proc: int | None = Field(None, ge=1, le=256, description="Processes for tokenization (null: up to 8, by CPUs).")
     loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per training worker.")

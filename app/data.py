@@ -385,10 +385,50 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
-def make_loader(dataset, micro_batch: int, world: int, rank: int, shuffle: bool, seed: int, workers: int) -> DataLoader:
+def document_starts(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """True where a document begins in a packed block: the block's first token and every token after an EOS
+    (a document cut by the block's end continues in the next block as a document of its own)."""
+    starts = torch.ones_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eos_id
+    return starts
+
+
+def packed_batch(input_ids: torch.Tensor, labels: torch.Tensor, eos_id: int) -> dict[str, Any]:
+    """A batch of packed blocks whose documents stay apart: per-document `position_ids` (0 at each document's
+    first token), no loss on a document's first token (it would be predicted from the previous document's
+    EOS), and the flattened batch's document boundaries for variable-length attention (`cu_seq_lens_*`,
+    `max_length_*`: the names transformers' FlashAttention path reads; app.attention uses them on GPUs)."""
+    rows, seq = input_ids.shape
+    starts = document_starts(input_ids, eos_id)
+    index = torch.arange(seq).expand(rows, seq)
+    position_ids = index - torch.where(starts, index, 0).cummax(dim=1).values
+    bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows * seq])]).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return {"input_ids": input_ids, "labels": labels.masked_fill(starts, -100), "position_ids": position_ids,
+            "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+
+
+class PackedCollator:
+    """DataLoader collate_fn for packed blocks (a class, not a closure: loader worker processes pickle it)."""
+
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
+
+    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        return packed_batch(torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows]),
+                            self.eos_id)
+
+
+def collator(cfg: DataConfig, tokenizer) -> PackedCollator | None:
+    """The collate_fn for this data config: None (torch's default) unless packed documents are kept apart."""
+    return PackedCollator(tokenizer.eos_token_id) if cfg.packing and cfg.separate_documents else None
+
+
+def make_loader(dataset, micro_batch: int, world: int, rank: int, shuffle: bool, seed: int, workers: int,
+                collate_fn=None) -> DataLoader:
     sampler = ResumableSampler(dataset, world, rank, shuffle, seed)
     return DataLoader(
-        dataset, batch_size=micro_batch, sampler=sampler, drop_last=True, num_workers=workers,
+        dataset, batch_size=micro_batch, sampler=sampler, drop_last=True, num_workers=workers, collate_fn=collate_fn,
         pin_memory=torch.cuda.is_available(), persistent_workers=False,
         # Its own generator: otherwise each new iterator draws from the global RNG and a resumed run's
         # dropout masks would differ from an uninterrupted run's.

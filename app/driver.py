@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
     from app.train_loop import train_loop
 
     env = worker_env(cfg)
+    marks = {"driver": time.time()}  # start-up breakdown: the loop adds its own marks and logs the whole
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(**logs.before_ray_init())  # a cluster (KubeRay's head, or `ray start`); workers get `env` through worker_runtime_env
@@ -197,11 +199,12 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
             log.info("starting a local Ray cluster (about 10-20 s)")
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
         logs.after_ray_init()
+    marks["ray_started"] = time.time()
     s = cfg.scaling
     log.info(f"starting {s.num_workers} training workers (about 30 s: each loads torch, DeepSpeed, the model and data)")
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "ds_config": ds},
+        train_loop_config={"config": cfg.model_dump(mode="json"), "ds_config": ds, "startup": marks},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
                                      resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}),

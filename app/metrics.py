@@ -80,6 +80,18 @@ class MetricsLogger:
         )
         return record
 
+    def startup(self, marks: dict[str, float]) -> dict[str, Any]:
+        """How long each start-up phase took: `marks` are wall-clock times, in order, each ending the phase of
+        its name (driver: the driver began starting Ray; ray_started; worker: the loop began on its worker;
+        imports; data; model; engine). The first step's record ends the start-up."""
+        names = list(marks)
+        phases = {b: round(marks[b] - marks[a], 2) for a, b in zip(names[:-1], names[1:])}
+        record = {"marks": marks, "phases_s": phases}
+        self.jsonl.write(json.dumps({"kind": "startup", "time": time.time(), **record}) + "\n")
+        self.jsonl.flush()
+        log.info("start-up: " + ", ".join(f"{name} {sec:.1f}s" for name, sec in phases.items()))
+        return record
+
     def eval(self, step: int, loss: float) -> dict[str, Any]:
         record = {"step": step, "eval_loss": loss, "eval_perplexity": float(torch.exp(torch.tensor(min(loss, 50.0))))}
         self._write(step, record, "eval")

@@ -7,6 +7,7 @@ model shape; the folder's tokenizer is used unless `model.tokenizer` names anoth
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -82,8 +83,19 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_model(cfg: ModelConfig, ds_config: dict[str, Any]):
-    """The model, built partitioned under ZeRO-3 (HfDeepSpeedConfig makes from_pretrained use zero.Init)."""
+def attention_kernel(cfg: ModelConfig, separate_documents: bool) -> str:
+    """The attn_implementation to build with: for packed batches whose documents are kept apart, on a GPU, with
+    "sdpa" asked for and no attention dropout, variable-length FlashAttention (app.attention); else as configured."""
+    from app import attention
+
+    if separate_documents and cfg.attn_implementation == "sdpa" and not cfg.dropout and attention.available():
+        return attention.register()
+    return cfg.attn_implementation
+
+
+def load_model(cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: bool = False):
+    """The model, built partitioned under ZeRO-3 (HfDeepSpeedConfig makes from_pretrained use zero.Init).
+    `separate_documents`: batches are packed blocks from app.data.PackedCollator."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
@@ -94,26 +106,40 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any]):
         base = load_model_config(cfg)
         overrides = {k: cfg.dropout for k in base.to_dict() if "dropout" in k or k.endswith("pdrop")}
     path, random_init = model_source(cfg.name_or_path)
+    attn = attention_kernel(cfg, separate_documents)
     if random_init:
         # Built under zero.Init too (transformers checks the live HfDeepSpeedConfig), so a ZeRO-3 model of
         # any size is created already partitioned, on the GPUs.
         mc = load_model_config(cfg)
         for key, value in overrides.items():
             setattr(mc, key, value)
-        model = AutoModelForCausalLM.from_config(mc, attn_implementation=cfg.attn_implementation,
+        model = AutoModelForCausalLM.from_config(mc, attn_implementation=attn,
                                                  trust_remote_code=cfg.trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+            path, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code,
             **overrides,
         )
     del keep_alive
     if use_liger(cfg):
         _apply_liger(model, required=cfg.liger_kernels is True)
+    if os.environ.get("FINETUNE_COMPILE_LAYERS") == "1":
+        compile_layers(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
+
+
+def compile_layers(model) -> int:
+    """Experiment (benchmarks only, FINETUNE_COMPILE_LAYERS=1): torch.compile each decoder layer's forward,
+    leaving the loss (Liger's fused cross-entropy) and ZeRO-3's fetch hooks, which run around forward, eager.
+    Returns how many layers were compiled."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
 
 
 def use_liger(cfg: ModelConfig) -> bool:

@@ -21,6 +21,7 @@ log = logging.getLogger("finetune")
 
 
 def train_loop(loop_config: dict[str, Any]) -> None:
+    marks = {**loop_config.get("startup", {}), "worker": time.time()}  # wall-clock start-up marks, in order
     import deepspeed
     import ray.train
     from ray.train.torch import prepare_data_loader
@@ -35,13 +36,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     opbuild.prepare(not cfg.scaling.use_gpu, cfg.deepspeed.optimizer_offloaded, announce=rank == 0)
     seed_everything(t.seed + rank)
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the process group Ray created
+    marks["imports"] = time.time()
 
     # Data: tokenized once into the shared cache, then a loader that can start mid-epoch.
     tokenizer = load_tokenizer(cfg.model)
     faults.maybe_raise("data", rank)  # test-only: off unless FINETUNE_FAULT_RAISE
     train_set, eval_set = data.prepare(cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path,
                                        run_dir / "cache", t.seed, rank, barrier=dist.barrier)
-    train_loader = data.make_loader(train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers)
+    collate = data.collator(cfg.data, tokenizer)
+    train_loader = data.make_loader(train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed,
+                                    cfg.data.loader_workers, collate)
     sampler = train_loader.sampler
     train_loader = prepare_data_loader(train_loader, add_dist_sampler=False)
     steps_per_epoch = data.batches_per_epoch(len(train_set), t.micro_batch_size, world) // t.gradient_accumulation_steps
@@ -53,8 +57,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                          f"{t.micro_batch_size} x {t.gradient_accumulation_steps}: use more data or smaller batches")
 
     # Model and DeepSpeed engine.
+    marks["data"] = time.time()
     started = time.perf_counter()
-    model = load_model(cfg.model, ds_config)
+    model = load_model(cfg.model, ds_config, separate_documents=collate is not None)
+    marks["model"] = time.time()
     optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, cfg.deepspeed.optimizer_offloaded)
     # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
@@ -63,6 +69,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         engine.compile()  # compiles lazily, at the first forward pass
     device = engine.device
     log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
+    marks["engine"] = time.time()
 
     # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
     # the newest older complete one), at the exact batch.
@@ -76,6 +83,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
     metrics = MetricsLogger(run_dir, total_steps, step, flops_per_token(n_params, layers, hidden_size(mc) or 0, cfg.data.seq_length),
                             world, position.get("resumed_from")) if rank == 0 else None
+    if metrics:
+        metrics.startup(marks)
 
     def save(epoch: int, step_in_epoch: int, extra: dict[str, Any]) -> None:
         state = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": step, "world_size": world,
@@ -134,7 +143,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 window_steps, window_start = 0, time.perf_counter()
 
             if t.eval_every_steps and step % t.eval_every_steps == 0 and eval_set is not None:
-                last["eval_loss"] = evaluate(engine, eval_set, cfg, world, rank, metrics, step)
+                last["eval_loss"] = evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
 
             stop = step >= total_steps or (t.stop_after_steps is not None and step >= t.stop_after_steps)
             epoch_done = step_in_epoch >= steps_per_epoch
@@ -152,7 +161,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     finished = step >= total_steps
     evaluated_last = t.eval_every_steps and step % t.eval_every_steps == 0
     if finished and eval_set is not None and not evaluated_last:
-        evaluate(engine, eval_set, cfg, world, rank, metrics, step)
+        evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
     if metrics:
         metrics.close()
     if finished and rank == 0 and cfg.checkpoint.export_final:
@@ -162,16 +171,16 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         log.info(f"stopped at step {step} of {total_steps}; deploy again as {cfg.experiment.name} to resume")
 
 
-def evaluate(engine, eval_set, cfg: TrainingConfig, world: int, rank: int, metrics, step: int) -> float:
+def evaluate(engine, eval_set, cfg: TrainingConfig, world: int, rank: int, metrics, step: int, collate=None) -> float:
     """Token-weighted mean loss over the eval split, on all ranks."""
-    loader = data.make_loader(eval_set, cfg.train.micro_batch_size, world, rank, False, 0, 0)
+    loader = data.make_loader(eval_set, cfg.train.micro_batch_size, world, rank, False, 0, 0, collate)
     engine.eval()
     totals = torch.zeros(2, device=engine.device)
     with torch.no_grad():
         for i, batch in enumerate(loader):
             if cfg.train.eval_max_batches and i >= cfg.train.eval_max_batches:
                 break
-            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             n = (batch["labels"][:, 1:] != -100).sum()
             totals += torch.stack([engine(**batch).loss.float() * n, n.float()])
     engine.train()

@@ -45,6 +45,11 @@ def test_zero3_learns(runs):
     records = [json.loads(line) for line in (storage / "full" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train"]
     assert steps and all(0 <= r["data_wait_s"] <= r["step_time_s"] for r in steps), steps[:3]
+    # The start-up is broken down once, before the first step: Ray, worker group, imports, data, model, engine.
+    startup = [r for r in records if r["kind"] == "startup"]
+    assert len(startup) == 1 and startup[0]["time"] <= steps[0]["time"], startup
+    assert list(startup[0]["phases_s"]) == ["ray_started", "worker", "imports", "data", "model", "engine"]
+    assert all(v >= 0 for v in startup[0]["phases_s"].values()), startup
 
 
 def test_exact_mid_epoch_resume(runs):
