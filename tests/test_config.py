@@ -169,7 +169,9 @@ def test_set_override_parses_yaml_values(tmp_path):
 def test_validate_prints_resolved_config_and_ds_json(tiny_model, storage, capsys):
     assert main(["validate", *base_args(storage, tiny_model), "--ds-config-only"]) == 0
     ds = json.loads(capsys.readouterr().out)
-    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64  # the tiny model's hidden size
+    # Two and a quarter GPT-2 blocks prefetched, twice that per gradient reduction (over the hidden-size rule).
+    block = 12 * 64 * 64 + 13 * 64  # attention and MLP weights and biases, two layer norms
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 2 * int(2.25 * block) > 64 * 64
     # ZeRO-3 fetches each decoder layer whole: the layer class comes from the model (GPT-2's block here).
     assert ds["zero_optimization"]["leaf_module"] == {"classes": ["GPT2Block"]}
 
@@ -199,10 +201,12 @@ def test_leaf_classes_from_the_model_shape():
     assert zero3_leaf_layers(llama) == (["LlamaDecoderLayer"], per_layer)
     # A layer over DeepSpeed's 1e9-parameter leaf cap (Mixtral 8x7B's) is left to DeepSpeed's own hooks.
     assert zero3_leaf_layers(MixtralConfig()) == ([], 0)
-    # The prefetch bucket holds at least one whole layer, so the next one is fetched while this one computes.
+    # The prefetch bucket holds about two whole layers, so the next ones are fetched while this one computes;
+    # a gradient reduction, about four.
     cfg = parse({})
     ds = ds_config.build(cfg, **ds_config.model_facts(cfg, llama))
-    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == per_layer > int(0.9 * 256 * 256)
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == int(2.25 * per_layer) > int(0.9 * 256 * 256)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 2 * int(2.25 * per_layer)
     assert ds["zero_optimization"]["leaf_module"] == {"classes": ["LlamaDecoderLayer"]}
     # Set by hand, the bucket is the user's.
     cfg = parse({"deepspeed": {"zero_optimization": {"stage3_prefetch_bucket_size": 1000}}})
