@@ -173,6 +173,59 @@ def suite_confirm() -> list[Case]:
     ]
 
 
+ACROSS = {"data.separate_documents": False}  # the earlier packing: documents attend across EOS in a block
+FEWER_SYNCS = {"train.log_every_steps": 4, "train.max_steps": 40}  # the loop's host syncs once per 4 steps
+BIG_BUCKETS = {"reduce_bucket_size": 200_000_000,
+               "stage3_prefetch_bucket_size": 100_000_000}  # about two layers fetched ahead; fewer, larger reductions
+
+
+def suite_peer() -> list[Case]:
+    """Against the strongest peer, Hugging Face Trainer with the same Liger-patched model, ds_config, data and
+    batch (and the same packed batches: documents kept apart by default). Then the cost of keeping documents
+    apart (against the earlier cross-document packing), and candidate levers each on its own."""
+    first, levers = _peer_1b()[:4], _peer_1b()[4:]
+    return [*first, *_peer_8b(), *levers]  # the peer comparisons first, levers last
+
+
+def suite_peer2() -> list[Case]:
+    """The 1.1B peer comparison again, in another order (cross-document packing first), with the bucket lever:
+    a second sample of the same pairs, since cases of one run differ by a few percent from run order alone."""
+    by_name = {c.name: c for c in _peer_1b()}
+    order = ["l1b-z3-mb16-across", "hf-liger-l1b-z3-mb16", "l1b-z3-mb16", "hf-liger-l1b-z3-mb16-across",
+             "l1b-z3-mb16-buckets"]
+    return [by_name[name] for name in order]
+
+
+def suite_peer1() -> list[Case]:
+    """The 1.1B part of the peer suite on one GPU (for when only one-GPU machines are lent): ZeRO-3 then
+    partitions nothing, so this measures the model, kernels, packing and loop, not the communication."""
+    one = {"scaling.num_workers": 1}
+    cases = [c for c in _peer_1b() if c.name != "l1b-z3-mb16-buckets"]
+    for c in cases:
+        c.name, c.sets = f"{c.name}-1gpu", {**c.sets, **one}
+    return cases
+
+
+def _peer_1b() -> list[Case]:
+    return [
+        llama("l1b-z3-mb16", "llama-1.1b", 16, 3, True, estimate=75),
+        llama("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, 3, True, runner="hf", estimate=45),
+        llama("l1b-z3-mb16-across", "llama-1.1b", 16, 3, True, sets=ACROSS, estimate=75),
+        llama("hf-liger-l1b-z3-mb16-across", "llama-1.1b", 16, 3, True, runner="hf", sets=ACROSS, estimate=45),
+        llama("l1b-z3-mb16-log4", "llama-1.1b", 16, 3, True, sets=FEWER_SYNCS, warmup=1, steps=3, estimate=80),
+        llama("l1b-z3-mb16-buckets", "llama-1.1b", 16, 3, True, BIG_BUCKETS, estimate=75),
+        llama("l1b-z3-mb16-compile-layers", "llama-1.1b", 16, 3, True, env={"FINETUNE_COMPILE_LAYERS": "1"},
+              estimate=120, timeout=200),
+    ]
+
+
+def _peer_8b() -> list[Case]:
+    return [
+        llama("l8b-z3-mb4", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=100, timeout=240),
+        llama("hf-liger-l8b-z3-mb4", "llama-8b", 4, 3, True, runner="hf", warmup=2, steps=5, estimate=80, timeout=240),
+    ]
+
+
 def suite_full() -> list[Case]:
     """Everything in one invocation (about 15 minutes on 2 x H200; longer than one 10-minute device call)."""
     return [
@@ -202,7 +255,7 @@ def suite_smoke() -> list[Case]:
     ]
 
 
-SUITES = {"explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke}
+SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke}
 
 
 # ---- configs ---------------------------------------------------------------------------------------------
@@ -376,8 +429,10 @@ def _line(r: dict[str, Any]) -> str:
     if r.get("error"):
         return f"ERROR {r['error'][:400]}"
     mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+    startup = "  start-up " + json.dumps(r["startup"]) if r.get("startup") else ""
     return (f"step {r.get('step_s', 0):.3f}s  tok/s/GPU {r.get('tokens_per_s_per_gpu', 0):,.0f}  MFU {mfu}  "
-            f"mem {r.get('peak_mem_gib')} GiB  first step {r.get('time_to_first_step_s')}s  wall {r.get('wall_s')}s")
+            f"mem {r.get('peak_mem_gib')} GiB  first step {r.get('time_to_first_step_s')}s  wall {r.get('wall_s')}s"
+            f"{startup}")
 
 
 def table(results: list[dict[str, Any]]) -> str:

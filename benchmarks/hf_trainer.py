@@ -56,13 +56,15 @@ def main() -> None:
         bf16=t.precision == "bf16", fp16=t.precision == "fp16", deepspeed=ds, optim="adamw_torch_fused",
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=t.seed,
         dataloader_num_workers=cfg.data.loader_workers, dataloader_pin_memory=True, dataloader_drop_last=True,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(), remove_unused_columns=False,
     )  # also makes the live HfDeepSpeedConfig that builds a ZeRO-3 model partitioned
     tokenizer = load_tokenizer(cfg.model)
     cache = Path(cfg.experiment_dir) / "cache"
     train_set, _ = data.prepare(cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path, cache, t.seed,
                                 rank, barrier=dist.barrier)
-    model = load_model(cfg.model, ds)  # gradient checkpointing and Liger as the config says
+    # The app's batches: packed documents kept apart (position ids, varlen attention) when the config says so.
+    collate = data.collator(cfg.data, tokenizer)
+    model = load_model(cfg.model, ds, separate_documents=collate is not None)  # checkpointing, Liger as configured
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
     fpt = metrics.flops_per_token(n_params, layers, hidden_size(mc), cfg.data.seq_length)
@@ -82,7 +84,8 @@ def main() -> None:
                 self.losses.append(round(float(logs["loss"]), 4))
 
     clock = Clock()
-    trainer = Trainer(model=model, args=targs, train_dataset=train_set, callbacks=[clock])
+    trainer = Trainer(model=model, args=targs, train_dataset=train_set, callbacks=[clock],
+                      **({"data_collator": collate} if collate else {}))
     trainer.train()
     if rank != 0:
         return

@@ -39,6 +39,7 @@ class Case:
     steps: int = 8
     checkpoint: bool = False  # let the run end, measure its final checkpoint, then time a resume from it
     fallback_for: str | None = None  # run only if the case of this name failed (e.g. out of memory)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the run (experiment switches)
     timeout: float = 240
     estimate: float = 45  # seconds, for the suite's deadline
     note: str = ""
@@ -143,6 +144,20 @@ def read_records(path: Path, kind: str = "train") -> list[dict[str, Any]]:
     return out
 
 
+def startup_phases(metrics: Path, records: list[dict[str, Any]], launch: float) -> dict[str, float] | None:
+    """Launch to first step, phase by phase: the loop's own start-up record (app.metrics.MetricsLogger.startup)
+    plus the launch (process start, CLI imports, config checks) before it and the first step after it."""
+    found = read_records(metrics, "startup")
+    if not found:
+        return None
+    marks = found[-1]["marks"]
+    first = min(marks.values())
+    out = {"launch_to_driver": round(first - launch, 2), **found[-1]["phases_s"]}
+    if records:
+        out["first_step"] = round(records[0]["time"] - max(marks.values()), 2)
+    return out
+
+
 def summarise(records: list[dict[str, Any]], warmup: int, launch: float) -> dict[str, Any]:
     """Figures over the timed steps (those after `warmup`)."""
     timed = records[warmup:]
@@ -206,7 +221,7 @@ def follow(proc: subprocess.Popen, metrics: Path, need: int | None, timeout: flo
 
 
 def run_app(case: Case, cfg_path: Path, run_dir: Path, shared_cache: Path, log_path: Path) -> dict[str, Any]:
-    env = bench_env()
+    env = {**bench_env(), **case.env}
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     shared_cache.mkdir(parents=True, exist_ok=True)
@@ -218,6 +233,7 @@ def run_app(case: Case, cfg_path: Path, run_dir: Path, shared_cache: Path, log_p
     failure = follow(proc, metrics, None if case.checkpoint else need, case.timeout, launch)
     records = read_records(metrics)
     result = summarise(records, case.warmup, launch)
+    result["startup"] = startup_phases(metrics, records, launch)
     if failure and len(records) < need:
         result["error"] = f"{failure}: {error_lines(log_path.read_text(errors='replace'))}"
     if case.checkpoint and not result.get("error"):
@@ -280,7 +296,7 @@ def measure_checkpoint(case: Case, cfg_path: Path, run_dir: Path, records: list[
 
 
 def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: Path) -> dict[str, Any]:
-    env = bench_env()
+    env = {**bench_env(), **case.env}
     env["BENCH_LAUNCH_T"] = repr(time.time())
     out_json.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",

@@ -27,7 +27,7 @@ def _configs(tmp_path, cases):
 
 
 def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
-    cases = {c.name + "/" + suite: c for suite in ("explore", "gpu", "tune", "final", "prefetch", "confirm")
+    cases = {c.name + "/" + suite: c for suite in ("explore", "gpu", "tune", "final", "prefetch", "confirm", "peer", "peer1", "peer2")
              for c in bench.SUITES[suite]()}
     seen = 0
     for case, knobs in _configs(tmp_path, cases.values()):
@@ -57,5 +57,9 @@ def test_smoke_suite_runs_every_runner_on_cpu(tmp_path):
     for r in rows:
         assert not r.get("error"), r["error"]
         assert r["steps_timed"] >= 3 and r["tokens_per_s_per_gpu"] > 0, r
+        if r["runner"] == "app":  # the start-up, phase by phase, from launch to the first step
+            phases = r["startup"]
+            assert list(phases)[:2] == ["launch_to_driver", "ray_started"] and list(phases)[-2:] == ["engine", "first_step"]
+            assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= r["time_to_first_step_s"] + 0.5, r
     ckpt = next(r["checkpoint"] for r in rows if r.get("checkpoint"))
     assert ckpt["bytes"] > 0 and ckpt["resumed_at_step"] == 5 and ckpt["load_s"] >= 0, ckpt  # tiny: 0.0 s

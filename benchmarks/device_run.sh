@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call on 2 x H200 (the workplace's `run` tool, kind nvidia-h200-x2), from the checkout's root:
+#   bash .gpu/tree/benchmarks/device_run.sh SUITE DEADLINE_S [ONLY]
+# where .gpu/ (git-ignored, carried) holds site-py312.tar.xz (Ray, DeepSpeed, datasets for the host's Python
+# 3.12), whl/ (liger-kernel) and tree/ (this repository's files). Results land in $OUT/SUITE/.
+set -uo pipefail
+suite=$1 deadline=$2 only=${3:-}
+G=$PWD/.gpu
+mkdir -p /tmp/site && tar -C /tmp/site -xJf "$G/site-py312.tar.xz" || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl || exit 1
+cd "$G/tree" || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+mkdir -p "$OUT/$suite"
+if [ "$suite" = peer ] || [ "$suite" = peer1 ]; then timeout 60 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
+python3 -m benchmarks.bench --suite "$suite" --out "$OUT/$suite" --deadline-s "$deadline" ${only:+--only "$only"}
+tar -C /tmp/finetune-bench -czf "$OUT/$suite/logs.tar.gz" logs configs 2>/dev/null
