@@ -40,10 +40,17 @@ run: tiny
 	$(BIN)/finetune train examples/local-cpu.yaml
 
 test: setup
-	$(BIN)/pytest -q -m "not slow" tests
+	$(BIN)/pytest -q -m "not slow and not e2e" tests
 
 test-all: setup
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q -m "not e2e" tests
+
+# The tests on a real control plane (tests/e2e): builds or reuses etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler and the KubeRay operator (tools/controlplane/build.sh; cold about 20-30 minutes on 2 cores,
+# cached in $${FINETUNE_E2E_CACHE:-~/.cache/finetune-e2e}), starts them, runs the tests, stops them.
+.PHONY: e2e
+e2e: setup
+	$(BIN)/pytest -q -m e2e tests/e2e
 
 # Regenerates the committed lock from the current venv (same versions CI and the image install).
 lock: setup

@@ -99,12 +99,18 @@ class CrdsUnavailable(RuntimeError):
     pass
 
 
-@functools.cache
 def crds_dir() -> Path:
     """Folder with ray.io_rayjobs.yaml and ray.io_rayclusters.yaml: KUBERAY_CRDS_DIR, else config/crd/bases
-    of the operator module, fetched into Go's module cache by `go mod download` (checked against go.sum)."""
+    of the operator module."""
     if os.environ.get("KUBERAY_CRDS_DIR"):
         return Path(os.environ["KUBERAY_CRDS_DIR"])
+    return operator_module_dir() / "config" / "crd" / "bases"
+
+
+@functools.cache
+def operator_module_dir() -> Path:
+    """The operator module's source (CRDs, RBAC), fetched into Go's module cache by `go mod download` and
+    checked against tools/controlplane/kuberay/go.sum."""
     version = kuberay_version()
     go = shutil.which(os.environ.get("GO", "go"))
     if not go:
@@ -119,7 +125,7 @@ def crds_dir() -> Path:
     if out.returncode or info.get("Error") or not info.get("Dir"):
         raise CrdsUnavailable(f"go mod download {OPERATOR_MODULE}@{version} failed: {info.get('Error')} "
                               "(is the Go module proxy reachable? or set KUBERAY_CRDS_DIR)")
-    return Path(info["Dir"]) / "config" / "crd" / "bases"
+    return Path(info["Dir"])
 
 
 def crd_file(kind: str) -> Path:
@@ -249,6 +255,7 @@ def kuberay_rules(obj: dict[str, Any]) -> None:
             assert selector.get("ray.io/cluster"), "clusterSelector must name the cluster (ray.io/cluster)"
             assert not spec.get("suspend"), "the clusterSelector mode cannot be suspended"
             assert spec.get("submissionMode") != "SidecarMode", "ClusterSelector is not supported in SidecarMode"
+            assert spec.get("backoffLimit", 0) <= 0, "BackoffLimit is incompatible with ClusterSelector mode"
         if spec.get("ttlSecondsAfterFinished", 0) > 0:
             assert spec.get("shutdownAfterJobFinishes"), "ttlSecondsAfterFinished needs shutdownAfterJobFinishes"
         if spec.get("suspend"):

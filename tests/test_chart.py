@@ -195,7 +195,8 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
         res = container(group["template"])["resources"]
         gv = values["workers"][group["groupName"]]
         gpu_res = gv.get("gpuResource", "nvidia.com/gpu")
-        assert res["requests"].get(gpu_res) == res["limits"].get(gpu_res) == (gv["gpus"] or None)
+        # Quantities as strings, as the operator writes them back (tests/e2e/test_lifecycle.py: upgrade).
+        assert res["requests"].get(gpu_res) == res["limits"].get(gpu_res) == (str(gv["gpus"]) if gv["gpus"] else None)
         assert group["rayStartParams"]["num-gpus"] == str(gv["gpus"])
         gpus_total += gv["gpus"] * group["replicas"] * group["numOfHosts"]
     if values["training"].get("scaling", {}).get("num_workers") is None:
@@ -229,7 +230,8 @@ def test_training_yaml_keeps_floats_floats():
 
 
 def test_notes_say_how_to_follow_find_and_resume():
-    out = helm("install", "exp1", str(CHART), "--dry-run=client", "--set", "rayJob.clusterMode=persistent").stdout
+    out = helm("install", "exp1", str(CHART), "--dry-run=client", "--set", "rayJob.clusterMode=persistent",
+                "--set", "rayJob.backoffLimit=0").stdout
     notes = out.split("NOTES:", 1)[1]
     for text in ("kubectl -n default get rayjob exp1", "logs -f job/exp1", "port-forward",
                  "/mnt/cluster_storage/exp1/final/", "helm uninstall exp1", "delete pvc exp1"):
@@ -238,7 +240,8 @@ def test_notes_say_how_to_follow_find_and_resume():
 
 VARIANTS = {
     "existing-claim": (["storage.create=false", "storage.existingClaim=team-checkpoints"], {}),
-    "persistent-http": (["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode"], {}),
+    "persistent-http": (["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode", "rayJob.backoffLimit=0"],
+                        {}),
     "sidecar-suspended-queue": (["rayJob.submissionMode=SidecarMode", "rayJob.suspend=true",
                                  "rayJob.queueName=gpu-queue", "rayJob.activeDeadlineSeconds=3600"], {}),
     "no-rbac-no-auth": (["progressReporting.rbac.create=false", "head.serviceAccountName=ml-runner",
@@ -285,7 +288,7 @@ def test_variants_render_and_validate(case, tmp_path):
         groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
         assert (groups["gpu"]["minReplicas"], groups["gpu"]["replicas"], groups["gpu"]["maxReplicas"]) == (1, 2, 4)
         big = container(groups["big"]["template"])
-        assert big["resources"]["limits"]["amd.com/gpu"] == big["resources"]["requests"]["amd.com/gpu"] == 4
+        assert big["resources"]["limits"]["amd.com/gpu"] == big["resources"]["requests"]["amd.com/gpu"] == "4"
         assert big["image"].endswith(":0.1.0-rocm") and groups["big"]["rayStartParams"]["num-gpus"] == "4"
         # Workers follow the GPUs at most: gpu 4 pods x 1 + big 1 x 2 hosts x 4 = 12.
         assert "--set scaling.num_workers=12 " in job["entrypoint"]
@@ -329,6 +332,13 @@ BAD_VALUES = {
     "ttl-without-shutdown": ({"rayJob": {"shutdownAfterJobFinishes": False}}, "rayJob.ttlSecondsAfterFinished"),
     "suspend-persistent": ({"rayJob": {"clusterMode": "persistent", "suspend": True}}, "rayJob.suspend"),
     "eval-both": ({"training": {"data": {"eval_split": "test", "eval_fraction": 0.1}}}, "/training/data/eval_fraction"),
+    "backoff-persistent": ({"rayJob": {"clusterMode": "persistent", "submissionMode": "HTTPMode"}},
+                           "rayJob.backoffLimit: 2 with rayJob.clusterMode=persistent"),
+    "claim-on-config": ({"storage": {"mountPath": "/etc/finetune"}}, 'storage.mountPath: "/etc/finetune" collides'),
+    "claim-on-shm": ({"storage": {"mountPath": "/dev/shm/"}}, 'storage.mountPath: "/dev/shm/" collides'),
+    "claim-on-root": ({"storage": {"mountPath": "/"}}, 'storage.mountPath: "/" collides'),
+    "claim-above-config": ({"storage": {"mountPath": "/etc"}}, 'storage.mountPath: "/etc" collides'),
+    "claim-in-ray-logs": ({"storage": {"mountPath": "/tmp/ray/ckpt"}}, 'storage.mountPath: "/tmp/ray/ckpt" collides'),
     "bad-quantity": ({"storage": {"size": "lots"}}, "/storage/size"),
     "bad-nccl-env": ({"ncclEnv": {"DEBUG": "INFO"}}, "ncclEnv.DEBUG"),
     "rwo-many-pods": ({"storage": {"accessModes": ["ReadWriteOnce"]}},

@@ -242,7 +242,7 @@ RESTRICTED_CASES = {
     "defaults": ([], [], []),
     "autoscaling": ([], ["autoscaling.enabled=true", "workers.gpu.maxReplicas=4"], []),
     "persistent-http-no-rbac": ([], ["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode",
-                                     "progressReporting.rbac.create=false"], []),
+                                     "rayJob.backoffLimit=0", "progressReporting.rbac.create=false"], []),
     "cpu-training-extra-group": ([], ["training.scaling.use_gpu=false", "workers.gpu.gpus=0"],
                                  ['workers.cpu={"replicas": 2, "resources": {"requests": {"cpu": "4"}}}']),
 }

@@ -206,6 +206,9 @@ workerGroupSpecs:
     maxReplicas: {{ $replicas }}
     {{- end }}
     numOfHosts: {{ int ($g.numOfHosts | default 1) }}
+    # Written as the operator writes it back: workerGroupSpecs is one atomic list for server-side apply, and
+    # any difference would hand the whole list to the operator, so every later `helm upgrade` would conflict.
+    scaleStrategy: {}
     rayStartParams:
       {{- range $k, $v := omit ($g.rayStartParams | default dict) "num-gpus" }}
       {{ $k }}: {{ toString $v | quote }}

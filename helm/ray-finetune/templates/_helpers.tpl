@@ -13,6 +13,15 @@ Every object is named after the experiment: one name is the identity of a run, o
 {{- $name -}}
 {{- end }}
 
+{{/*
+What a deployed RayJob was made from: the chart version and every value. KubeRay does not apply changes to a
+RayJob that has started (and owns parts of its spec, so a changed server-side apply conflicts); validate.yaml
+compares this with the live RayJob's to refuse such an upgrade with the fix instead.
+*/}}
+{{- define "ray-finetune.valuesChecksum" -}}
+{{- printf "%s %s" .Chart.Version (toJson .Values) | sha256sum | trunc 16 -}}
+{{- end }}
+
 {{- define "ray-finetune.selectorLabels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -142,12 +151,20 @@ A literal value under such a name would be readable by anyone who may read the R
 {{/*
 A Ray container's resources: as given, plus an ephemeral-storage request of the /tmp/ray size when the
 requests name none, so the scheduler places the pod where its logs and spills fit. No limit is added.
+Quantities are written as strings, the form the operator writes back into the RayJob: a number there (gpus: 1)
+differs from the operator's "1" and hands the worker groups to the operator under server-side apply, so every
+later `helm upgrade` would conflict.
 */}}
 {{- define "ray-finetune.resources" -}}
 {{- $res := deepCopy (.resources | default dict) -}}
 {{- $req := $res.requests | default dict -}}
 {{- if not (hasKey $req "ephemeral-storage") }}{{ $_ := set $req "ephemeral-storage" .tmpSize }}{{ end -}}
 {{- $_ := set $res "requests" $req -}}
+{{- range $kind := list "requests" "limits" }}
+{{- $quantities := dict }}
+{{- range $name, $q := (get $res $kind | default dict) }}{{ $_ := set $quantities $name (toString $q) }}{{ end }}
+{{- if hasKey $res $kind }}{{ $_ := set $res $kind $quantities }}{{ end }}
+{{- end -}}
 {{- toYaml $res -}}
 {{- end }}
 
