@@ -6,18 +6,22 @@ import itertools
 import signal
 import time
 
+import k8s_support
 import pytest
 
-import k8s_support
 from e2e.controlplane import ControlPlane
 
 _ids = itertools.count()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="session")
 def cluster():
     # SIGTERM (CI cancelling the job) unwinds like Ctrl-C, so this fixture's teardown stops the processes.
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     cp = ControlPlane(kubectl_bin=k8s_support.tool("kubectl"), helm_bin=k8s_support.tool("helm"))
     try:
         t0 = time.monotonic()

@@ -3,11 +3,14 @@ what the chart rendered (helm template of the same values), never with hard-code
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import k8s_support
+
 from e2e.controlplane import ControlPlane
 
 CHART = k8s_support.CHART
@@ -49,10 +52,7 @@ def rendered(release: str, ns: str, values: list[Path] = (), sets: list[str] = (
 def get(cp: ControlPlane, kind: str, ns: str, name: str = "", selector: str = "") -> Any:
     args = ["get", kind, "-n", ns] + ([name] if name else []) + (["-l", selector] if selector else [])
     out = cp.kubectl(*args, "-o", "json", check=False)
-    if out.returncode:
-        return None
-    import json
-    return json.loads(out.stdout)
+    return None if out.returncode else json.loads(out.stdout)
 
 
 def job_status(cp: ControlPlane, ns: str, job: str) -> dict:

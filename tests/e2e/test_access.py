@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_cli
 
 from app import kube
 from app.progress import ProgressPublisher
-from conftest import run_cli
 from e2e import support
 from e2e.controlplane import kubeconfig
 

@@ -3,9 +3,9 @@ into a RayCluster whose pods carry what the chart intends."""
 
 from __future__ import annotations
 
+import k8s_support
 import pytest
 
-import k8s_support
 from e2e import support
 
 pytestmark = pytest.mark.e2e

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
+import k8s_support
 import pytest
 
-import k8s_support
 from e2e import support
 
 pytestmark = pytest.mark.e2e
