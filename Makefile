@@ -50,6 +50,8 @@ test-all: setup
 # cached in $${FINETUNE_E2E_CACHE:-~/.cache/finetune-e2e}), starts them, runs the tests, stops them.
 .PHONY: e2e
 e2e: setup
+	@# Built here, outside pytest's output capture, so a cold build's progress shows; the suite then reuses it.
+	bash tools/controlplane/build.sh >/dev/null
 	$(BIN)/pytest -q -m e2e tests/e2e
 
 # Regenerates the committed lock from the current venv (same versions CI and the image install).
