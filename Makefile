@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
-# The CPU build of torch is installed first: a bare requirement would pull a multi-GB CUDA build.
+# torch is installed first and pinned: PyPI serves only its CUDA build for Linux (several GB; it runs on CPU).
 TORCH_CPU := torch==2.13.0
+# torch's own stack, left out of requirements.lock: PyPI's torch for Linux is the CUDA build, which brings
+# nvidia-*, cuda-* (bindings, pathfinder, toolkit) and triton; the image installs its own CUDA build instead.
+TORCH_STACK := torch|nvidia-|cuda-|triton
 
 .PHONY: setup run test test-all lock tiny clean distclean
 setup: $(VENV)/.installed
@@ -56,7 +59,7 @@ e2e: setup
 
 # Regenerates the committed lock from the current venv (same versions CI and the image install).
 lock: setup
-	$(PY) -m pip freeze --exclude-editable | grep -vE '^(torch|nvidia-|triton|ray-deepspeed-finetune)' > requirements.lock
+	$(PY) -m pip freeze --exclude-editable | grep -vE '^($(TORCH_STACK)|ray-deepspeed-finetune)' > requirements.lock
 
 # Starting over: `make clean` forgets the local runs (.local: the tiny model and .local/storage, where make run's
 # experiment and its checkpoints live), so the next `make run` trains from scratch; `make distclean` also removes
