@@ -187,8 +187,9 @@ def test_worker_sigkill_restarts_group_and_matches_uninterrupted_run(baseline, t
 def check_resume_after_mid_save_kill(storage: Path, name: str, baseline: Path, model: Path, step: int = 6) -> str:
     out = train(storage, name, model)
     run_dir = storage / name
-    # The dead driver's lease, taken over at once: it ran on this host and its process is gone.
-    assert re.search(r"took over the lease of a run that ran as pid \d+ on this host, which (has ended|now belongs)",
+    # The dead driver's lease: taken over at once (its process on this host is gone) or, when the redeploy comes
+    # later than lease_timeout_s (3 s here), as stale; tests/test_lease_takeover.py covers the at-once path.
+    assert re.search(r"took over the lease of a run that (ran as pid \d+ on this host|stopped heart-beating)",
                      out), out[-6000:]
     m = resumed_line(out)
     assert m[2] == "registered by Ray" and Path(m[1]).name == f"step-{step - 2:08d}", m[0]
