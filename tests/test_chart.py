@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -189,8 +190,8 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
             if role.startswith("worker"):
                 assert tpl["spec"]["serviceAccountName"] == templates["head"]["spec"]["serviceAccountName"], role
 
-    # GPUs: requests = limits = Ray's num-gpus; the worker count follows the GPUs.
-    gpus_total = 0
+    # GPUs: requests = limits = Ray's num-gpus; the worker count follows the GPUs (CPU workers: the pods).
+    gpus_total = pods_total = 0
     for group in spec["workerGroupSpecs"]:
         res = container(group["template"])["resources"]
         gv = values["workers"][group["groupName"]]
@@ -199,8 +200,11 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
         assert res["requests"].get(gpu_res) == res["limits"].get(gpu_res) == (str(gv["gpus"]) if gv["gpus"] else None)
         assert group["rayStartParams"]["num-gpus"] == str(gv["gpus"])
         gpus_total += gv["gpus"] * group["replicas"] * group["numOfHosts"]
-    if values["training"].get("scaling", {}).get("num_workers") is None:
-        assert f"--set scaling.num_workers={gpus_total} " in job["spec"]["entrypoint"]
+        pods_total += group["replicas"] * group["numOfHosts"]
+    scaling = values["training"].get("scaling", {})
+    if scaling.get("num_workers") is None:
+        workers = gpus_total if scaling.get("use_gpu", True) else pods_total
+        assert f"--set scaling.num_workers={workers} " in job["spec"]["entrypoint"]
 
     # The checkpoint volume outlives `helm uninstall`.
     pvcs = by_kind(objects, "PersistentVolumeClaim")
@@ -391,6 +395,21 @@ DS_CASES = {
 }
 
 
+def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
+    """A model read from the checkpoint volume (examples/values-cpu.yaml) is not on this machine: a model folder
+    with a small GPT-2 config.json stands in for it (the volume's path, moved under tmp_path)."""
+    model = (yaml.safe_load(config_files(objects)["training.yaml"]).get("model") or {}).get("name_or_path", "")
+    mount = container(pod_templates(objects)["head"])["volumeMounts"]
+    mount = next((m["mountPath"] for m in mount if model.startswith(m["mountPath"] + "/")), None)
+    if not mount:
+        return []
+    folder = tmp_path / "volume" / model.removeprefix(mount + "/")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
+                                                    "n_positions": 128, "vocab_size": 1000}))
+    return ["--set", f"model.name_or_path={folder}"]
+
+
 def test_app_resolves_what_the_chart_renders(tmp_path):
     """For each value set: the ConfigMap's training.yaml, with the entrypoint's --set arguments, through the
     real `finetune validate --ds-config-only` (model config not readable offline) is valid, and the DeepSpeed
@@ -403,7 +422,7 @@ def test_app_resolves_what_the_chart_renders(tmp_path):
         entry = one(objects, "RayJob")["spec"]["entrypoint"].split()
         assert entry[:3] == ["finetune", "train", "/etc/finetune/training.yaml"]
         argv = ["validate", str(config), *entry[3:], "--set", f"experiment.storage_path={tmp_path}", "--ds-config-only"]
-        cases.append((case, argv))
+        cases.append((case, argv + on_the_volume(objects, tmp_path)))
     script = (
         "import contextlib, io, json, sys\n"
         "from app.cli import main\n"

@@ -252,7 +252,7 @@ RESTRICTED_CASES = {
 def test_every_pod_passes_pod_security_restricted(case):
     values, sets, set_json = RESTRICTED_CASES[case]
     pods = as_created(render(values, sets, set_json))
-    assert {"head", "worker/gpu"} <= set(pods)
+    assert "head" in pods and any(role.startswith("worker/") for role in pods), set(pods)
     for role, tpl in pods.items():
         assert restricted_violations(tpl) == [], f"{case} {role}:\n" + json.dumps(tpl["spec"], indent=1)[:3000]
     if "submitter" in pods:

@@ -79,7 +79,7 @@ def make_pki(d: Path) -> None:
             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
     leaves = {
         "apiserver": ("/CN=kube-apiserver", "serverAuth",
-                      "IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"),
+                      "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"),
         "admin": ("/O=system:masters/CN=e2e-admin", "clientAuth", None),
         "controller-manager": ("/CN=system:kube-controller-manager", "clientAuth", None),
         "scheduler": ("/CN=system:kube-scheduler", "clientAuth", None),
@@ -258,7 +258,10 @@ class ControlPlane:
         probe = free_port()
         self.spawn("kuberay-operator", [str(binary), "--enable-leader-election=false", "--metrics-addr", "0",
                                         "--health-probe-bind-address", f"127.0.0.1:{probe}",
-                                        "--log-stdout-encoder", "console"],
+                                        "--log-stdout-encoder", "console",
+                                        # Out of the cluster's network (no DNS for Services here): reach each
+                                        # head's dashboard through the API server's service proxy.
+                                        "--use-kubernetes-proxy"],
                    env={**os.environ, "KUBECONFIG": str(cfg)})
         self.wait("kuberay-operator", lambda: http_get(f"127.0.0.1:{probe}", "/readyz") == 200, "/readyz")
 
