@@ -103,8 +103,7 @@ def _load(args) -> config_mod.TrainingConfig:
 def cmd_validate(args) -> int:
     from app import driver
 
-    cfg = _load(args)
-    ds, note = driver.check(cfg, offline=not args.online)
+    cfg, ds, note = driver.prepare(_load(args), offline=not args.online)
     if note:
         print(f"note: {note}", file=sys.stderr)
     if not args.ds_config_only:
@@ -118,8 +117,7 @@ def cmd_validate(args) -> int:
 def cmd_train(args) -> int:
     from app import driver
 
-    cfg = _load(args)
-    ds, note = driver.check(cfg, offline=False)
+    cfg, ds, note = driver.prepare(_load(args), offline=False)
     if note:
         raise ConfigError([Problem("model.name_or_path", cfg.model.name_or_path, "cannot read the model config",
                                    "check the name, the network or HF_HOME, or use a local folder")])

@@ -34,14 +34,11 @@ SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(
 
 def storage_problems(storage_path: str) -> list[Problem]:
     """Is the storage path (or its nearest existing parent) a writable folder? Leaves nothing behind."""
-    path = Path(storage_path).expanduser()
-    probe = path
+    from app.checkpoint.layout import nearest_existing
+
     field = "experiment.storage_path"
     try:
-        while not probe.exists():
-            if probe.parent == probe:
-                break
-            probe = probe.parent
+        probe = nearest_existing(Path(storage_path).expanduser())
     except OSError as exc:
         return [Problem(field, storage_path, f"is not a usable path ({exc.strerror})", "use a shorter folder path")]
     if not probe.is_dir():
@@ -88,44 +85,6 @@ def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     return []
 
 
-def resume_problems(cfg: TrainingConfig) -> list[Problem]:
-    """A resume on another number of workers keeps the global batch by changing gradient accumulation (the
-    run converts the checkpoint to DeepSpeed's universal format once, at start); where it cannot, say why."""
-    from app import checkpoint
-
-    latest = checkpoint.newest_usable(cfg.experiment_dir)
-    if latest is None:
-        return []
-    try:
-        state = checkpoint.read_state(latest)
-    except (OSError, ValueError):
-        return []  # judged again, with fallbacks, when the run starts
-    saved, workers, t = state.get("world_size"), cfg.scaling.num_workers, cfg.train
-    if not saved or saved == workers:
-        return []
-    field, where = "scaling.num_workers", f"the experiment's last checkpoint ({latest.name}) was written by {saved} workers"
-    if cfg.zero_stage == 0:
-        return [Problem(field, workers, f"{where}; resuming on another number of workers needs ZeRO stage 1, 2 or 3 "
-                        "(DeepSpeed's universal checkpoint)", f"set scaling.num_workers={saved}, or start a new experiment name")]
-    mb, gas = state.get("micro_batch_size", t.micro_batch_size), state.get("gradient_accumulation_steps", 1)
-    global_batch = mb * gas * saved
-    if global_batch % (t.micro_batch_size * workers):
-        return [Problem(field, workers,
-                        f"{where} with a global batch of {global_batch} sequences ({mb} x {gas} accumulation x {saved}); "
-                        f"{workers} workers x micro_batch_size {t.micro_batch_size} cannot keep it ({global_batch} is not "
-                        "a multiple of their product), and a mid-run resume needs the same global batch",
-                        f"use a number of workers that divides {global_batch // t.micro_batch_size}, set "
-                        f"train.micro_batch_size to keep {global_batch} sequences per step, or start a new experiment name")]
-    new_gas = global_batch // (t.micro_batch_size * workers)
-    batch = (f"train.gradient_accumulation_steps {t.gradient_accumulation_steps} -> {new_gas} keeps the global batch of "
-             f"{global_batch} sequences" if new_gas != t.gradient_accumulation_steps else
-             f"the global batch stays {global_batch} sequences")
-    log.warning(f"{where}, this run has {workers}: {batch}; the checkpoint is converted to DeepSpeed's universal "
-                "checkpoint format (once) when the run starts")
-    t.gradient_accumulation_steps = new_gas
-    return []
-
-
 def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
     """The config must be plain JSON data: the deepspeed block becomes DeepSpeed's config file."""
     try:
@@ -137,9 +96,23 @@ def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
     return []
 
 
-def check(cfg: TrainingConfig, offline: bool = True) -> tuple[dict[str, Any], str | None]:
-    """Every check that can run before the workers start; raises ConfigError with all problems found."""
-    problems = resume_problems(cfg)  # first: a changed number of workers may change gradient accumulation
+def prepare(cfg: TrainingConfig, offline: bool = True) -> tuple[TrainingConfig, dict[str, Any], str | None]:
+    """The config this run uses (the resume plan applied first: a changed number of workers may change gradient
+    accumulation), its DeepSpeed config and a note; raises ConfigError with every problem found."""
+    from app.checkpoint import ResumePlan
+
+    plan = ResumePlan.read(cfg)
+    cfg = plan.apply(cfg)
+    if plan.note:
+        log.warning(plan.note)
+    ds, note = check(cfg, offline, list(plan.problems))
+    return cfg, ds, note
+
+
+def check(cfg: TrainingConfig, offline: bool = True, problems: list[Problem] | None = None) -> tuple[dict[str, Any], str | None]:
+    """Every check that can run before the workers start, after `problems` already found; raises ConfigError
+    with all of them. Reads `cfg`, never changes it."""
+    problems = list(problems or [])
     problems += ds_config.check(cfg) + plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
     try:
         problems += data.check_source(cfg.data)

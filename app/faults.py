@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("finetune")
@@ -37,6 +38,19 @@ RAISE = "FINETUNE_FAULT_RAISE"
 NAN_FROM_STEP = "FINETUNE_FAULT_NAN_FROM_STEP"
 SAVE_PAUSE = "FINETUNE_FAULT_SAVE_PAUSE"
 PHASES = ("before_shards", "mid_shards", "before_state", "before_report")
+
+
+def step_hook(rank: int, world: int, run_dir: Path) -> Callable[[int], None]:
+    """What the training loop calls after each step (its logging and checkpoint done): the kill and raise drills
+    when FINETUNE_FAULT_KILL_AT_STEP or FINETUNE_FAULT_RAISE is set, nothing otherwise."""
+    if not os.environ.get(KILL_AT_STEP) and not os.environ.get(RAISE):
+        return lambda step: None
+
+    def after_step(step: int) -> None:
+        maybe_kill(step, rank, world, run_dir)
+        maybe_raise("step", rank, step)
+
+    return after_step
 
 
 def maybe_kill(step: int, rank: int, world: int, run_dir: Path) -> None:

@@ -1,10 +1,18 @@
-"""The per-worker training loop: the tutorial's `train_loop`, with the machinery in the modules it calls."""
+"""The per-worker training loop: the tutorial's `train_loop`, with the machinery in the modules it calls.
+
+Read `train_loop` top to bottom: data, model and engine, resume, then epochs of `train_step` (one optimizer step,
+which owns gradient accumulation), progress, evaluation and the save policy (`SavePolicy`, the one place that
+decides when a checkpoint is written and when the run stops).
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from app import checkpoint, data, faults, logs, opbuild
-from app.config import TrainingConfig
+from app.config import TrainConfig, TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
-from app.nonfinite import NonFiniteGuard
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
+from app.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("finetune")
 
@@ -30,8 +38,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     ds_config = loop_config["ds_config"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    run_dir = cfg.experiment_dir
-    t = cfg.train
+    run_dir, t = cfg.experiment_dir, cfg.train
     logs.setup_worker(rank)
     opbuild.prepare(not cfg.scaling.use_gpu, cfg.deepspeed.optimizer_offloaded, announce=rank == 0)
     seed_everything(t.seed + rank)
@@ -41,20 +48,22 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # Data: tokenized once into the shared cache, then a loader that can start mid-epoch.
     tokenizer = load_tokenizer(cfg.model)
     faults.maybe_raise("data", rank)  # test-only: off unless FINETUNE_FAULT_RAISE
-    train_set, eval_set = data.prepare(cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path,
-                                       run_dir / "cache", t.seed, rank, barrier=dist.barrier)
+    train_set, eval_set = data.prepare(
+        cfg.data,
+        tokenizer,
+        cfg.model.tokenizer or cfg.model.name_or_path,
+        run_dir / "cache",
+        t.seed,
+        rank,
+        barrier=dist.barrier,
+    )
     collate = data.collator(cfg.data, tokenizer)
-    train_loader = data.make_loader(train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed,
-                                    cfg.data.loader_workers, collate)
+    train_loader = data.make_loader(
+        train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate
+    )
     sampler = train_loader.sampler
     train_loader = prepare_data_loader(train_loader, add_dist_sampler=False)
-    steps_per_epoch = data.batches_per_epoch(len(train_set), t.micro_batch_size, world) // t.gradient_accumulation_steps
-    if t.max_steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, t.max_steps_per_epoch)
-    total_steps = steps_per_epoch * t.epochs if t.max_steps is None else min(t.max_steps, steps_per_epoch * t.epochs)
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_set)} sequences are too few for one step of {world} workers x "
-                         f"{t.micro_batch_size} x {t.gradient_accumulation_steps}: use more data or smaller batches")
+    policy = SavePolicy.of(cfg, len(train_set), world)
 
     # Model and DeepSpeed engine.
     marks["data"] = time.time()
@@ -63,102 +72,92 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     marks["model"] = time.time()
     optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, cfg.deepspeed.optimizer_offloaded)
     # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                           lr_scheduler=lambda opt: build_scheduler(opt, t, total_steps))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        config=ds_config,
+        lr_scheduler=lambda opt: build_scheduler(opt, t, policy.total_steps),
+    )
     if cfg.model.compile:
         engine.compile()  # compiles lazily, at the first forward pass
-    device = engine.device
     log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
     marks["engine"] = time.time()
 
     # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
     # the newest older complete one), at the exact batch.
     position = checkpoint.resume(engine, ray.train.get_checkpoint(), run_dir, rank, world)
-    if position["global_step"] == 0:
-        log.info(f"starting {cfg.experiment.name} from scratch: {total_steps} steps")
     step = position["global_step"]
-
-    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
-    mc = model.config
-    layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
-    metrics = MetricsLogger(run_dir, total_steps, step, flops_per_token(n_params, layers, hidden_size(mc) or 0, cfg.data.seq_length),
-                            world, position.get("resumed_from")) if rank == 0 else None
+    if step == 0:
+        log.info(f"starting {cfg.experiment.name} from scratch: {policy.total_steps} steps")
+    metrics = (
+        MetricsLogger(
+            run_dir, policy.total_steps, step, _flops_per_token(model, cfg), world, position.get("resumed_from")
+        )
+        if rank == 0
+        else None
+    )
     if metrics:
         metrics.startup(marks)
+    window = Window(engine.device)
+    guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate)
+    step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
 
-    def save(epoch: int, step_in_epoch: int, extra: dict[str, Any]) -> None:
-        state = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": step, "world_size": world,
-                 "micro_batch_size": t.micro_batch_size, "gradient_accumulation_steps": t.gradient_accumulation_steps,
-                 "precision": t.precision, "experiment": cfg.experiment.name}
+    def save(step: int, epoch: int, step_in_epoch: int, extra: dict[str, Any]) -> None:
+        state = {
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "global_step": step,
+            "world_size": world,
+            "micro_batch_size": t.micro_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps,
+            "precision": t.precision,
+            "experiment": cfg.experiment.name,
+        }
         path = checkpoint.checkpoint_dir(run_dir, step)
-        checkpoint.save(engine, path, state, rank, dist.barrier, lambda p: (mc.save_pretrained(p), tokenizer.save_pretrained(p)))
-        ray.train.report({**extra, **state, "checkpoint": str(path)}, checkpoint=ray.train.Checkpoint.from_directory(str(path)),
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        checkpoint.save(
+            engine,
+            path,
+            state,
+            rank,
+            dist.barrier,
+            lambda p: (model.config.save_pretrained(p), tokenizer.save_pretrained(p)),
+        )
+        ray.train.report(
+            {**extra, **state, "checkpoint": str(path)},
+            checkpoint=ray.train.Checkpoint.from_directory(str(path)),
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+        )
         if metrics:
             metrics.checkpoint(path, step)
 
     engine.train()
-    window_loss = torch.zeros((), device=device)
-    window_tokens = torch.zeros((), device=device)
-    window_steps, window_start = 0, time.perf_counter()
-    loader_clock = data.LoaderClock()
-    guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate)
-    step_loss = torch.zeros((), device=device)
     last: dict[str, Any] = {}
-    stop = step >= total_steps
     for epoch in range(position["epoch"], t.epochs):
-        if stop:
+        if step >= policy.total_steps:
             break
-        step_in_epoch = position["step_in_epoch"] if epoch == position["epoch"] else 0
-        sampler.set_position(epoch, step_in_epoch * t.gradient_accumulation_steps * t.micro_batch_size)
-        micro = 0
-        for batch in loader_clock.timed(train_loader):
-            if step_in_epoch >= steps_per_epoch:
-                break
-            loss = faults.maybe_poison(engine(**batch).loss, step + 1)  # test-only: off unless set
-            engine.backward(loss)
-            engine.step()
-            window_loss += loss.detach()
-            step_loss += loss.detach()
-            window_tokens += (batch["labels"][:, 1:] != -100).sum()
-            micro += 1
-            if micro % t.gradient_accumulation_steps:
-                continue
+        first = position["step_in_epoch"] if epoch == position["epoch"] else 0
+        sampler.set_position(epoch, first * t.gradient_accumulation_steps * t.micro_batch_size)
+        steps = optimizer_steps(window.clock.timed(train_loader), t.gradient_accumulation_steps)
+        for step_in_epoch, micro_batches in enumerate(
+            itertools.islice(steps, policy.steps_per_epoch - first), first + 1
+        ):
+            loss, tokens = train_step(engine, micro_batches, step + 1)
             step += 1
-            step_in_epoch += 1
-            window_steps += 1
-            guard.check(step, step_loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
-            step_loss.zero_()
-
-            if step % t.log_every_steps == 0 or step == total_steps:
-                stats = torch.stack([window_loss / (window_steps * t.gradient_accumulation_steps), window_tokens])
-                dist.all_reduce(stats)
-                elapsed = time.perf_counter() - window_start
-                loss_avg, tokens = stats[0].item() / world, stats[1].item()
-                last = {"loss": loss_avg}
-                if metrics:
-                    metrics.step(step, epoch, loss_avg, engine.get_lr()[0], _grad_norm(engine),
-                                 tokens / elapsed / world, elapsed / window_steps, loader_clock.take() / window_steps)
-                window_loss.zero_(), window_tokens.zero_()
-                window_steps, window_start = 0, time.perf_counter()
-
+            guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
+            window.add(loss, tokens)
+            if step % t.log_every_steps == 0 or step == policy.total_steps:
+                last = {"loss": window.report(engine, step, epoch, t, world, metrics)}
             if t.eval_every_steps and step % t.eval_every_steps == 0 and eval_set is not None:
                 last["eval_loss"] = evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
-
-            stop = step >= total_steps or (t.stop_after_steps is not None and step >= t.stop_after_steps)
-            epoch_done = step_in_epoch >= steps_per_epoch
-            every = cfg.checkpoint.every_steps
-            if ((every and step % every == 0) or stop or epoch_done) and guard.healthy:
-                if epoch_done:
-                    save(epoch + 1, 0, last)
-                else:
-                    save(epoch, step_in_epoch, last)
-            faults.maybe_kill(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_KILL_AT_STEP
-            faults.maybe_raise("step", rank, step)  # test-only: off unless FINETUNE_FAULT_RAISE
-            if stop:
+            if guard.healthy and policy.due(step, step_in_epoch):  # never save weights a NaN step touched
+                save(step, *policy.position(epoch, step_in_epoch), last)
+            step_ended(step)
+            if policy.stop(step):
                 break
+        if policy.stop(step):
+            break  # the last step, or train.stop_after_steps (a drill's preemption): no further epoch
 
-    finished = step >= total_steps
+    finished = step >= policy.total_steps
     evaluated_last = t.eval_every_steps and step % t.eval_every_steps == 0
     if finished and eval_set is not None and not evaluated_last:
         evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
@@ -168,7 +167,99 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         final = checkpoint.export(checkpoint.checkpoint_dir(run_dir, step), run_dir / "final", t.precision)
         log.info(f"exported Hugging Face model to {final}")
     elif not finished and rank == 0:
-        log.info(f"stopped at step {step} of {total_steps}; deploy again as {cfg.experiment.name} to resume")
+        log.info(f"stopped at step {step} of {policy.total_steps}; deploy again as {cfg.experiment.name} to resume")
+
+
+def optimizer_steps(batches: Iterable[dict[str, Any]], accumulation: int) -> Iterator[list[dict[str, Any]]]:
+    """The loader's micro-batches, `accumulation` at a time: one list per optimizer step (a short tail is dropped)."""
+    it = iter(batches)
+    while len(group := list(itertools.islice(it, accumulation))) == accumulation:
+        yield group
+
+
+def train_step(engine, micro_batches: list[dict[str, Any]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them).
+    Returns the summed micro-batch losses and the number of tokens that counted in the loss."""
+    losses = torch.zeros((), device=engine.device)
+    tokens = torch.zeros((), device=engine.device)
+    for batch in micro_batches:
+        loss = faults.maybe_poison(engine(**batch).loss, step)  # test-only NaN drill: off unless set
+        engine.backward(loss)
+        engine.step()
+        losses += loss.detach()
+        tokens += (batch["labels"][:, 1:] != -100).sum()
+    return losses, tokens
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """When to save and when to stop: every `every` steps, at each epoch's end, and at the last step (the run's,
+    or `stop_after`'s, which stops the run as a preemption would)."""
+
+    steps_per_epoch: int
+    total_steps: int
+    every: int | None
+    stop_after: int | None
+
+    @classmethod
+    def of(cls, cfg: TrainingConfig, sequences: int, world: int) -> SavePolicy:
+        t = cfg.train
+        per_epoch = data.batches_per_epoch(sequences, t.micro_batch_size, world) // t.gradient_accumulation_steps
+        if t.max_steps_per_epoch:
+            per_epoch = min(per_epoch, t.max_steps_per_epoch)
+        if per_epoch == 0:
+            raise ValueError(
+                f"{sequences} sequences are too few for one step of {world} workers x "
+                f"{t.micro_batch_size} x {t.gradient_accumulation_steps}: use more data or smaller batches"
+            )
+        total = per_epoch * t.epochs if t.max_steps is None else min(t.max_steps, per_epoch * t.epochs)
+        return cls(per_epoch, total, cfg.checkpoint.every_steps, t.stop_after_steps)
+
+    def stop(self, step: int) -> bool:
+        return step >= self.total_steps or (self.stop_after is not None and step >= self.stop_after)
+
+    def due(self, step: int, step_in_epoch: int) -> bool:
+        return bool(self.every and step % self.every == 0) or self.stop(step) or step_in_epoch >= self.steps_per_epoch
+
+    def position(self, epoch: int, step_in_epoch: int) -> tuple[int, int]:
+        """Where a resume from this step starts: the next epoch's start after an epoch's last step."""
+        return (epoch + 1, 0) if step_in_epoch >= self.steps_per_epoch else (epoch, step_in_epoch)
+
+
+class Window:
+    """Loss, tokens and time since the last progress line (kept on the device: one sync per line)."""
+
+    def __init__(self, device):
+        self.loss = torch.zeros((), device=device)
+        self.tokens = torch.zeros((), device=device)
+        self.steps, self.start = 0, time.perf_counter()
+        self.clock = data.LoaderClock()
+
+    def add(self, loss: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        self.steps += 1
+
+    def report(self, engine, step: int, epoch: int, t: TrainConfig, world: int, metrics) -> float:
+        """The window's mean loss over every rank (logged on rank 0); starts a new window."""
+        stats = torch.stack([self.loss / (self.steps * t.gradient_accumulation_steps), self.tokens])
+        dist.all_reduce(stats)
+        elapsed = time.perf_counter() - self.start
+        loss, tokens = stats[0].item() / world, stats[1].item()
+        if metrics:
+            metrics.step(
+                step,
+                epoch,
+                loss,
+                engine.get_lr()[0],
+                _grad_norm(engine),
+                tokens / elapsed / world,
+                elapsed / self.steps,
+                self.clock.take() / self.steps,
+            )
+        self.loss.zero_(), self.tokens.zero_()
+        self.steps, self.start = 0, time.perf_counter()
+        return loss
 
 
 def evaluate(engine, eval_set, cfg: TrainingConfig, world: int, rank: int, metrics, step: int, collate=None) -> float:
@@ -189,6 +280,13 @@ def evaluate(engine, eval_set, cfg: TrainingConfig, world: int, rank: int, metri
     if metrics:
         metrics.eval(step, loss)
     return loss
+
+
+def _flops_per_token(model, cfg: TrainingConfig) -> float:
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    mc = model.config
+    layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
+    return flops_per_token(n_params, layers, hidden_size(mc) or 0, cfg.data.seq_length)
 
 
 def _grad_norm(engine) -> float | None:

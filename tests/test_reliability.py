@@ -466,12 +466,12 @@ def test_storage_error_message(tmp_path):
     (prev / "ds").mkdir(parents=True)
     (prev / "ds" / "shard.bin").write_bytes(b"x" * 3 * 2**20)
     (prev / "trainer_state.json").write_text(json.dumps({"files": {"ds/shard.bin": 3 * 2**20}}))
-    err = checkpoint._storage_error(OSError(errno.ENOSPC, "No space left on device"),
+    err = checkpoint.storage_error(OSError(errno.ENOSPC, "No space left on device"),
                                     tmp_path / "checkpoints" / "step-00000004", engine=None)
     text = str(err)
     assert f"cannot write checkpoint {tmp_path}/checkpoints/step-00000004" in text and "is full" in text
     assert "needs about 3.0 MiB" in text and "free there" in text and "step-00000002 is intact" in text
-    assert checkpoint._storage_error(ValueError("other"), tmp_path / "x", None) is None
+    assert checkpoint.storage_error(ValueError("other"), tmp_path / "x", None) is None
 
 
 # --- 5. resume on another number of workers -------------------------------------------------------------------
@@ -605,7 +605,7 @@ def test_damaged_experiment_folder(damage, killed, baseline, tmp_path, tiny_mode
 
 
 def test_plan_resume_decisions(tmp_path):
-    """The choice of checkpoint without Ray: every branch of app.checkpoint.plan_resume on fake folders."""
+    """The choice of checkpoint without Ray: every branch of app.checkpoint.choose on fake folders."""
     from app import checkpoint
 
     def make(step: int, complete: bool = True, size: int = 10) -> Path:
@@ -617,21 +617,21 @@ def test_plan_resume_decisions(tmp_path):
         return f
 
     two, four, six = make(2), make(4), make(6, complete=False)
-    assert checkpoint.plan_resume(tmp_path, four) == (four, [])
-    chosen, warnings = checkpoint.plan_resume(tmp_path, tmp_path / "checkpoints" / "step-00000008")
+    assert checkpoint.choose(tmp_path, four) == (four, [])
+    chosen, warnings = checkpoint.choose(tmp_path, tmp_path / "checkpoints" / "step-00000008")
     assert chosen == four and "does not exist" in warnings[0]
     (four / "ds" / "a.bin").write_bytes(b"x" * 5)
-    chosen, warnings = checkpoint.plan_resume(tmp_path, four)
+    chosen, warnings = checkpoint.choose(tmp_path, four)
     assert chosen == two and "5 bytes, 10 were written" in warnings[0]
-    chosen, warnings = checkpoint.plan_resume(tmp_path, None)
+    chosen, warnings = checkpoint.choose(tmp_path, None)
     assert chosen == two and "Ray has no registered checkpoint" in warnings[0] and "step-00000004" in warnings[0]
     shutil.rmtree(two)
     with pytest.raises(checkpoint.CheckpointError, match="Not starting from scratch"):
-        checkpoint.plan_resume(tmp_path, None)
+        checkpoint.choose(tmp_path, None)
     with pytest.raises(checkpoint.CheckpointError, match="Not starting from scratch"):
-        checkpoint.plan_resume(tmp_path, four)
+        checkpoint.choose(tmp_path, four)
     shutil.rmtree(four)
-    assert checkpoint.plan_resume(tmp_path, None)[0] is None  # only a never-finished folder: a fresh start
+    assert checkpoint.choose(tmp_path, None)[0] is None  # only a never-finished folder: a fresh start
     assert checkpoint.remove_newer(tmp_path, -1) and not six.exists()
 
 

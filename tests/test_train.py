@@ -50,6 +50,10 @@ def test_zero3_learns(runs):
     assert len(startup) == 1 and startup[0]["time"] <= steps[0]["time"], startup
     assert list(startup[0]["phases_s"]) == ["ray_started", "worker", "imports", "data", "model", "engine"]
     assert all(v >= 0 for v in startup[0]["phases_s"].values()), startup
+    # The run records the DeepSpeed config it resolved (the chart does not compute one): every "auto" filled.
+    ds = json.loads((storage / "full" / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2
+    assert "auto" not in json.dumps(ds) and ds["zero_optimization"]["leaf_module"] == {"classes": ["GPT2Block"]}
 
 
 def test_exact_mid_epoch_resume(runs):

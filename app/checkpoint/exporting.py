@@ -1,0 +1,61 @@
+"""A Hugging Face folder (safetensors + tokenizer) from a checkpoint, consolidated from ZeRO shards with
+DeepSpeed's public zero_to_fp32 utility."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from app.checkpoint.layout import STATE_FILE, TAG, read_state
+
+
+def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: Path | str | None = None) -> Path:
+    """A Hugging Face folder (safetensors + tokenizer) from a checkpoint, consolidated from ZeRO shards.
+
+    `checkpoint` is one of this app's checkpoint folders, or any DeepSpeed save_dir (with a `latest` file or
+    one tag folder); for the latter, `model_source` names the model folder or hub name that gives the config
+    and tokenizer.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    ours = (checkpoint / TAG).is_dir()
+    source = model_source or (checkpoint / "hf" if ours else None)
+    if source is None or (ours and not model_source and not (checkpoint / "hf" / "config.json").exists()):
+        raise FileNotFoundError(
+            f"{checkpoint} has no hf/ folder with the model config: pass the model it was trained from"
+        )
+    tag = TAG if ours else None
+    if not ours and not (checkpoint / "latest").exists():
+        tags = [p.name for p in checkpoint.iterdir() if p.is_dir()]
+        if len(tags) != 1:
+            raise FileNotFoundError(
+                f"{checkpoint} has no 'latest' file and {len(tags)} tag folders: pass the tag folder's parent "
+                "with one tag"
+            )
+        tag = tags[0]
+    state = read_state(checkpoint) if (checkpoint / STATE_FILE).exists() else {}
+    dtype = dtype or state.get("precision", "bf16")
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(weights, strict=False, assign=True)
+    model.tie_weights()
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
+    if missing:
+        raise RuntimeError(f"checkpoint {checkpoint} lacks weights for {missing[:5]}")
+    model = model.to(torch_dtype)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

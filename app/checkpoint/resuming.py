@@ -1,0 +1,378 @@
+"""Resuming: what a deploy does with the experiment's checkpoints, in two pure decisions and one load.
+
+1. `ResumePlan.decide` (the driver, before any check): from the newest usable checkpoint's trainer state and the
+   config, whether this run can continue it and with which gradient accumulation (a changed number of workers
+   keeps the global batch); `apply` gives the config the run uses. Nothing is mutated.
+2. `choose` (rank 0, in the workers): which checkpoint to load: the one Ray registered, or, when that one is
+   missing, incomplete or failed to load, the newest older complete one, with a warning; never a fresh start over
+   an experiment with progress. The ranks receive it as one typed `LoadPlan`.
+3. `resume` / `restore` (every rank): clean up newer unregistered folders, load, and say which steps are redone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from app.checkpoint import formats
+from app.checkpoint.layout import (
+    OUR_NAMES,
+    STATE_FILE,
+    TAG,
+    UNIVERSAL,
+    UNLOADABLE,
+    CheckpointError,
+    last_logged_step,
+    newest_usable,
+    problem,
+    read_state,
+    rng_file,
+    scan_usable,
+    skipped_text,
+    step_folders,
+    step_of,
+)
+from app.errors import Problem
+
+if TYPE_CHECKING:
+    from app.config import TrainingConfig
+
+log = logging.getLogger("finetune")
+
+
+# --- 1. the driver's plan ------------------------------------------------------------------------------------
+
+
+def accumulation_for(state: dict[str, Any], micro_batch_size: int, world: int) -> int | None:
+    """The gradient accumulation that keeps a checkpoint's global batch with `world` workers of
+    `micro_batch_size`; None when no whole number does (a mid-run resume needs the same global batch)."""
+    saved = (
+        state.get("micro_batch_size", micro_batch_size)
+        * state.get("gradient_accumulation_steps", 1)
+        * state.get("world_size", world)
+    )
+    return saved // (micro_batch_size * world) if saved % (micro_batch_size * world) == 0 else None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What this deploy does with the experiment's newest usable checkpoint (None: a fresh start)."""
+
+    checkpoint: str | None = None
+    gradient_accumulation_steps: int | None = None  # set when a changed world size changes it
+    problems: tuple[Problem, ...] = ()
+    note: str | None = None  # for the log: how the run continues a checkpoint of another world size
+
+    @classmethod
+    def read(cls, cfg: TrainingConfig) -> ResumePlan:
+        """The plan for `cfg`'s experiment folder as it is on disk."""
+        latest = newest_usable(cfg.experiment_dir)
+        if latest is None:
+            return cls()
+        try:
+            state = read_state(latest)
+        except (OSError, ValueError):
+            return cls(latest.name)  # judged again, with fallbacks, when the run starts
+        return cls.decide(latest.name, state, cfg)
+
+    @classmethod
+    def decide(cls, name: str, state: dict[str, Any], cfg: TrainingConfig) -> ResumePlan:
+        """Pure: from a checkpoint's trainer state and the config."""
+        saved, workers, t = state.get("world_size"), cfg.scaling.num_workers, cfg.train
+        if not saved or saved == workers:
+            return cls(name)
+        where = f"the experiment's last checkpoint ({name}) was written by {saved} workers"
+
+        def refuse(message: str, fix: str) -> ResumePlan:
+            return cls(name, problems=(Problem("scaling.num_workers", workers, message, fix),))
+
+        if cfg.zero_stage == 0:
+            return refuse(
+                f"{where}; resuming on another number of workers needs ZeRO stage 1, 2 or 3 "
+                "(DeepSpeed's universal checkpoint)",
+                f"set scaling.num_workers={saved}, or start a new experiment name",
+            )
+        mb, gas = state.get("micro_batch_size", t.micro_batch_size), state.get("gradient_accumulation_steps", 1)
+        global_batch = mb * gas * saved
+        new_gas = accumulation_for(state, t.micro_batch_size, workers)
+        if new_gas is None:
+            return refuse(
+                f"{where} with a global batch of {global_batch} sequences ({mb} x {gas} accumulation x {saved}); "
+                f"{workers} workers x micro_batch_size {t.micro_batch_size} cannot keep it ({global_batch} is "
+                "not a multiple of their product), and a mid-run resume needs the same global batch",
+                f"use a number of workers that divides {global_batch // t.micro_batch_size}, set "
+                f"train.micro_batch_size to keep {global_batch} sequences per step, or start a new experiment "
+                "name",
+            )
+        if new_gas != t.gradient_accumulation_steps:
+            batch = (
+                f"train.gradient_accumulation_steps {t.gradient_accumulation_steps} -> {new_gas} keeps the "
+                f"global batch of {global_batch} sequences"
+            )
+        else:
+            batch = f"the global batch stays {global_batch} sequences"
+        return cls(
+            name,
+            new_gas,
+            note=f"{where}, this run has {workers}: {batch}; the checkpoint is converted to DeepSpeed's universal "
+            "checkpoint format (once) when the run starts",
+        )
+
+    def apply(self, cfg: TrainingConfig) -> TrainingConfig:
+        """The config this run uses: `cfg` itself, or a copy with the accumulation that keeps the global batch."""
+        if self.gradient_accumulation_steps in (None, cfg.train.gradient_accumulation_steps):
+            return cfg
+        train = cfg.train.model_copy(update={"gradient_accumulation_steps": self.gradient_accumulation_steps})
+        return cfg.model_copy(update={"train": train})
+
+
+# --- 2. rank 0's choice, broadcast ------------------------------------------------------------------------
+
+
+@dataclass
+class LoadPlan:
+    """Rank 0's decision, sent to every rank as one object."""
+
+    checkpoint: str | None = None  # None: a fresh start
+    warnings: list[str] = field(default_factory=list)
+    error: str | None = None
+    last_logged_step: int | None = None  # how far the previous attempt got (metrics.jsonl)
+
+
+def choose(run_dir: Path, registered: Path | None) -> tuple[Path | None, list[str]]:
+    """(checkpoint to resume from or None to start fresh, warnings). Raises CheckpointError rather than
+    start from scratch over an experiment that has progress."""
+    if registered is not None:
+        return _registered_or_older(run_dir, Path(registered))
+    newest, skipped = scan_usable(run_dir)
+    if newest is not None:
+        return newest, [
+            f"Ray has no registered checkpoint for this experiment (its checkpoint_manager_snapshot.json "
+            f"is missing or unreadable), but {newest} is complete: resuming from it rather than starting "
+            f"over{skipped_text(skipped)}"
+        ]
+    if any((f / STATE_FILE).exists() for f in step_folders(run_dir)):
+        raise CheckpointError(
+            f"Ray has no registered checkpoint for this experiment and no checkpoint in "
+            f"{Path(run_dir) / 'checkpoints'} is usable{skipped_text(skipped)}. Not starting from scratch over an "
+            "experiment that has progress: restore a checkpoint folder, or deploy under a new experiment name (or "
+            f"delete {run_dir} to start this one over)."
+        )
+    if skipped:
+        return None, [
+            f"no finished checkpoint in {Path(run_dir) / 'checkpoints'}{skipped_text(skipped)}; starting from scratch"
+        ]
+    return None, []
+
+
+def _registered_or_older(run_dir: Path, registered: Path) -> tuple[Path, list[str]]:
+    why = problem(registered)
+    if why is None:
+        return registered, []
+    fallback, skipped = scan_usable(run_dir, step_of(registered) if step_of(registered) >= 0 else None)
+    if fallback is None:
+        raise CheckpointError(
+            f"Ray's latest registered checkpoint {registered} cannot be used: {why}; and no older complete "
+            f"checkpoint is left in {Path(run_dir) / 'checkpoints'}{skipped_text(skipped)}. Not starting from scratch "
+            "over an experiment that has progress: restore that folder from a backup, or deploy under a new "
+            f"experiment name (or delete {run_dir} to start this one over)."
+        )
+    return fallback, [
+        f"Ray's latest registered checkpoint {registered.name} cannot be used: {why}; falling back "
+        f"to {fallback.name}, the newest older complete checkpoint{skipped_text(skipped)}"
+    ]
+
+
+def _decide_on_rank0(run_dir: Path, registered: Path | None) -> LoadPlan:
+    try:
+        path, warnings = choose(run_dir, registered)
+    except CheckpointError as exc:
+        return LoadPlan(error=str(exc))
+    return LoadPlan(str(path) if path else None, warnings, None, last_logged_step(run_dir))
+
+
+def _broadcast(plan: LoadPlan, world: int) -> LoadPlan:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and world > 1:
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+    return plan
+
+
+def remove_newer(run_dir: Path, step: int) -> list[str]:
+    """Rank 0, at resume: step folders newer than the resumed step were never registered (or are broken);
+    remove them so that nothing half-written lingers. Folders holding files this app never writes are
+    moved aside, not deleted. Returns what was done, for the log."""
+    done = []
+    for folder in step_folders(run_dir):
+        if step_of(folder) <= step:
+            continue
+        names = {p.name for p in folder.iterdir()}
+        if all(n in OUR_NAMES or n.startswith("rng-rank") for n in names):
+            why = (
+                problem(folder)
+                or "complete, but Ray never registered it (the run stopped before every rank reported it)"
+            )
+            shutil.rmtree(folder)
+            done.append(f"removed {folder.name}, newer than the checkpoint resumed from: {why}")
+        else:
+            aside = folder.with_name(f"{folder.name}.foreign-{time.strftime('%Y%m%dT%H%M%S')}")
+            os.rename(folder, aside)
+            done.append(f"moved {folder.name} aside to {aside.name} (it holds files this app does not write)")
+    return done
+
+
+# --- 3. every rank: load ------------------------------------------------------------------------------------
+
+
+def resume(engine, registered, run_dir: Path, rank: int, world: int) -> dict[str, Any]:
+    """All ranks: choose the checkpoint (rank 0 decides, the others follow), clean up newer unregistered
+    folders, load it, and log where the run resumes and which steps are redone. Returns the position."""
+    import torch.distributed as dist
+
+    run_dir = Path(run_dir)
+    registered_path = Path(registered.path) if registered else None
+    plan = _broadcast(_decide_on_rank0(run_dir, registered_path) if rank == 0 else LoadPlan(), world)
+    if plan.error:
+        raise CheckpointError(plan.error)
+    for warning in plan.warnings:
+        log.warning(f"WARNING: {warning}")
+    if rank == 0:
+        for line in remove_newer(run_dir, step_of(Path(plan.checkpoint)) if plan.checkpoint else -1):
+            log.warning(f"WARNING: {line}")
+    if dist.is_initialized() and world > 1:
+        dist.barrier()
+    if plan.checkpoint is None:
+        return {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
+    chosen = Path(plan.checkpoint)
+    started = time.perf_counter()
+    position = restore(engine, chosen, rank, world)
+    position["resumed_from"] = str(chosen)
+    position["load_s"] = round(time.perf_counter() - started, 2)
+    s, last_step = position["global_step"], plan.last_logged_step
+    if last_step is not None and last_step > s:
+        redone = f"steps {s + 1}..{last_step} ({last_step - s}) that the previous attempt had done are redone"
+    else:
+        redone = "no step is redone"
+    source = "registered by Ray" if registered_path == chosen else "fallback"
+    log.info(
+        f"resumed from {chosen} ({source}) at global step {s} (epoch {position['epoch']}, "
+        f"step {position['step_in_epoch']} of the epoch), loaded in {position['load_s']:.1f}s; {redone}"
+    )
+    return position
+
+
+def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
+    """Load engine, optimizer and scheduler states; return the trainer state saved with them.
+
+    A checkpoint written by another number of workers is converted once to DeepSpeed's universal checkpoint
+    format (into `<checkpoint>/universal/`) and loaded from there. If loading fails, the checkpoint is marked
+    unloadable so that the next attempt (Ray's max_failures) or the next deploy falls back to the previous
+    complete checkpoint instead of failing the same way again."""
+    state = read_state(path)
+    saved_world = state.get("world_size") or world
+    universal = saved_world != world
+    tag = _universal_tag(engine, path, state, rank, world) if universal else TAG
+    try:
+        with formats.loading_universal(engine, universal):
+            load_path, _ = engine.load_checkpoint(
+                str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        if load_path is None:
+            raise RuntimeError("DeepSpeed found nothing to load")
+    except Exception as exc:
+        raise _load_error(exc, path, tag, rank, saved_world if universal else None) from exc
+    if universal and rank == 0:
+        log.info(
+            f"{path.name} was written by {saved_world} workers and this run has {world}: loaded it through "
+            f"DeepSpeed's universal checkpoint format ({path / tag}); global batch {engine.train_batch_size()} "
+            f"= {engine.train_micro_batch_size_per_gpu()} x {engine.gradient_accumulation_steps()} accumulation "
+            f"x {world} workers (was {state.get('micro_batch_size')} x {state.get('gradient_accumulation_steps')} "
+            f"x {saved_world})"
+        )
+    if not universal and rng_file(path, rank).exists():
+        _set_rng_state(torch.load(rng_file(path, rank), weights_only=False))
+    return state
+
+
+def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: int) -> str:
+    """Convert (rank 0, once) and return the tag to load; the engine must keep the checkpoint's global batch."""
+    import torch.distributed as dist
+
+    saved_world = state["world_size"]
+    recorded = {"micro_batch_size", "gradient_accumulation_steps"} <= state.keys()  # older checkpoints lack them
+    keeps = engine.gradient_accumulation_steps() == accumulation_for(
+        state, engine.train_micro_batch_size_per_gpu(), world
+    )
+    if recorded and not keeps:
+        saved_batch = state.get("micro_batch_size", 0) * state.get("gradient_accumulation_steps", 0) * saved_world
+        raise CheckpointError(
+            f"{path} was written by {saved_world} workers with a global batch of {saved_batch}; this run of {world} "
+            f"workers has a global batch of {engine.train_batch_size()}, so it cannot resume at the same sample. "
+            "Deploy with the same number of workers, or a micro-batch and accumulation that keep the global batch"
+        )
+    try:
+        tag = to_universal(path, rank)
+    except Exception as exc:
+        raise CheckpointError(
+            f"converting {path} (written by {saved_world} workers) to DeepSpeed's universal "
+            f"checkpoint format for {world} workers failed: {type(exc).__name__}: {exc}. "
+            f"Deploy with {saved_world} workers to resume without conversion"
+        ) from exc
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+    if not (path / tag).is_dir():
+        raise CheckpointError(f"rank 0 could not convert {path} to the universal checkpoint format (see its log)")
+    return tag
+
+
+def _load_error(exc: Exception, path: Path, tag: str, rank: int, universal_from: int | None) -> CheckpointError:
+    if universal_from is not None:  # not the checkpoint's fault as far as we know: leave it usable by its own world
+        return CheckpointError(
+            f"could not load {path / tag} (universal format) on rank {rank}: "
+            f"{type(exc).__name__}: {exc}. Deploy with {universal_from} workers to resume"
+        )
+    try:
+        (path / UNLOADABLE).write_text(f"rank {rank}: {type(exc).__name__}: {exc}\n")
+    except OSError:
+        pass
+    return CheckpointError(
+        f"could not load checkpoint {path} on rank {rank}: {type(exc).__name__}: {exc}. It is "
+        "marked unloadable: the next attempt or deploy falls back to the previous complete "
+        "checkpoint"
+    )
+
+
+def to_universal(path: Path, rank: int) -> str:
+    """Rank 0 converts `<path>/ds` to `<path>/universal` once (atomically: a temp folder renamed into place);
+    returns the tag to load. The other ranks only return the tag (the caller holds a barrier)."""
+    out = path / UNIVERSAL
+    if rank == 0 and not (out / ".done").exists():
+        tmp = path / (UNIVERSAL + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.info(f"converting {path / TAG} to DeepSpeed's universal checkpoint format in {out} (once)")
+        formats.convert_to_universal(path / TAG, tmp)
+        (tmp / ".done").write_text("ok\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return UNIVERSAL
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
