@@ -12,11 +12,18 @@ precision), from the model's hidden size (bucket sizes) and from its layer class
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WrapValidator, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from app.errors import ConfigError, Problem
@@ -33,8 +40,9 @@ def rule(message: str, fix: str, field: str = "", value: Any = None) -> Pydantic
     """A rule's failure, as pydantic carries it; `app.config` turns it into a Problem naming `field` (below the
     validated model's location) and `value`."""
     # The message goes through str.format with ctx: no braces in it (the fix may hold any).
-    return PydanticCustomError(RULE, message.replace("{", "(").replace("}", ")"),
-                               {"fix": fix, "field": field, "value": value})
+    return PydanticCustomError(
+        RULE, message.replace("{", "(").replace("}", ")"), {"fix": fix, "field": field, "value": value}
+    )
 
 
 def _one_error(message: str, fix: str, exact_int: bool = False):
@@ -53,10 +61,16 @@ def _one_error(message: str, fix: str, exact_int: bool = False):
 
 Auto = Literal["auto"]
 ZeroStage = Annotated[Literal[0, 1, 2, 3], _one_error("ZeRO stage must be 0, 1, 2 or 3", "set 0-3", exact_int=True)]
-AutoBool = Annotated[Annotated[bool, Field(strict=True)] | Auto, _one_error("must be true, false or 'auto'", "use 'auto'")]
-AutoCount = Annotated[Auto | Annotated[int, Field(ge=1, strict=True)],
-                      _one_error("must be a whole number >= 1 or 'auto'", "use 'auto'", exact_int=True)]
-AutoNumber = Annotated[Auto | Annotated[float, Field(ge=0)], _one_error("must be a number >= 0 or 'auto'", "use 'auto'")]
+AutoBool = Annotated[
+    Annotated[bool, Field(strict=True)] | Auto, _one_error("must be true, false or 'auto'", "use 'auto'")
+]
+AutoCount = Annotated[
+    Auto | Annotated[int, Field(ge=1, strict=True)],
+    _one_error("must be a whole number >= 1 or 'auto'", "use 'auto'", exact_int=True),
+]
+AutoNumber = Annotated[
+    Auto | Annotated[float, Field(ge=0)], _one_error("must be a number >= 0 or 'auto'", "use 'auto'")
+]
 Names = Annotated[list[str] | str, _one_error("must be a list of names", LEAF_FIX)]
 
 
@@ -124,13 +138,19 @@ class ZeroOptimization(Block):
     @model_validator(mode="after")
     def _offload_needs_stage(self) -> ZeroOptimization:
         if self.offload_param and self.offload_param.on and self.stage < 3:
-            raise rule(f"parameter offload needs ZeRO stage 3, the stage is {self.stage}",
-                       "set deepspeed.zero_optimization.stage=3 or remove offload_param",
-                       "offload_param", self.offload_param.to_dict())
+            raise rule(
+                f"parameter offload needs ZeRO stage 3, the stage is {self.stage}",
+                "set deepspeed.zero_optimization.stage=3 or remove offload_param",
+                "offload_param",
+                self.offload_param.to_dict(),
+            )
         if self.offload_optimizer and self.offload_optimizer.on and self.stage == 0:
-            raise rule("optimizer offload needs ZeRO stage 1, 2 or 3",
-                       "raise deepspeed.zero_optimization.stage or remove offload_optimizer",
-                       "offload_optimizer", self.offload_optimizer.to_dict())
+            raise rule(
+                "optimizer offload needs ZeRO stage 1, 2 or 3",
+                "raise deepspeed.zero_optimization.stage or remove offload_optimizer",
+                "offload_optimizer",
+                self.offload_optimizer.to_dict(),
+            )
         return self
 
 
@@ -153,8 +173,10 @@ def _top_level_offload(key: str):
     def refuse(cls, value: Any) -> Any:
         if value is None:  # a dumped config's placeholder, not the user's
             return value
-        raise rule("offload settings at the top level of the DeepSpeed config are ignored by DeepSpeed",
-                   f"move it to deepspeed.zero_optimization.{key}")
+        raise rule(
+            "offload settings at the top level of the DeepSpeed config are ignored by DeepSpeed",
+            f"move it to deepspeed.zero_optimization.{key}",
+        )
 
     return field_validator(key, mode="before")(classmethod(refuse))
 
@@ -182,9 +204,12 @@ class DeepSpeedConfig(Block):
     @model_validator(mode="after")
     def _one_precision(self) -> DeepSpeedConfig:
         if self.enabled("bf16") is True and self.enabled("fp16") is True:
-            raise rule("bf16 and fp16 are both enabled",
-                       "enable one: set the other to false, or both to 'auto' and choose train.precision",
-                       "bf16.enabled", True)
+            raise rule(
+                "bf16 and fp16 are both enabled",
+                "enable one: set the other to false, or both to 'auto' and choose train.precision",
+                "bf16.enabled",
+                True,
+            )
         return self
 
     def enabled(self, key: Literal["bf16", "fp16"]) -> bool | str:
@@ -247,8 +272,14 @@ def _check_precision(cfg: TrainingConfig) -> list[Problem]:
     problems = []
     for key in ("bf16", "fp16"):
         if cfg.deepspeed.enabled(key) is True and cfg.train.precision != key:
-            problems.append(Problem(f"deepspeed.{key}.enabled", True, f"contradicts train.precision={cfg.train.precision}",
-                                    f"set train.precision={key} or deepspeed.{key}.enabled='auto'"))
+            problems.append(
+                Problem(
+                    f"deepspeed.{key}.enabled",
+                    True,
+                    f"contradicts train.precision={cfg.train.precision}",
+                    f"set train.precision={key} or deepspeed.{key}.enabled='auto'",
+                )
+            )
     return problems
 
 
@@ -266,15 +297,21 @@ def _check_batch(cfg: TrainingConfig, world: int) -> list[Problem]:
     ):
         value = getattr(ds, key)
         if value != AUTO and value != ours:
-            problems.append(Problem(f"deepspeed.{key}", value, f"differs from {field}={ours}",
-                                    f"set it to 'auto' (or to {ours})"))
+            problems.append(
+                Problem(f"deepspeed.{key}", value, f"differs from {field}={ours}", f"set it to 'auto' (or to {ours})")
+            )
     expected = global_batch(t.micro_batch_size, t.gradient_accumulation_steps, world)
     if ds.train_batch_size != AUTO and ds.train_batch_size != expected:
-        problems.append(Problem(
-            "deepspeed.train_batch_size", ds.train_batch_size,
-            f"must equal micro-batch x accumulation x workers = {t.micro_batch_size} x "
-            f"{t.gradient_accumulation_steps} x {world} = {expected}",
-            "set it to 'auto', or change train.micro_batch_size / gradient_accumulation_steps / scaling.num_workers"))
+        problems.append(
+            Problem(
+                "deepspeed.train_batch_size",
+                ds.train_batch_size,
+                f"must equal micro-batch x accumulation x workers = {t.micro_batch_size} x "
+                f"{t.gradient_accumulation_steps} x {world} = {expected}",
+                "set it to 'auto', or change train.micro_batch_size / gradient_accumulation_steps / "
+                "scaling.num_workers",
+            )
+        )
     return problems
 
 
@@ -284,15 +321,27 @@ def schema_rules(precision_default: str) -> list[dict[str, Any]]:
     (train.precision `precision_default`). The batch rule needs the worker count: the chart's validate.yaml."""
 
     def enabled_true(key: str) -> dict[str, Any]:
-        return {"required": ["deepspeed"], "properties": {"deepspeed": {
-            "required": [key], "properties": {key: {"required": ["enabled"], "properties": {"enabled": {"const": True}}}}}}}
+        return {
+            "required": ["deepspeed"],
+            "properties": {
+                "deepspeed": {
+                    "required": [key],
+                    "properties": {key: {"required": ["enabled"], "properties": {"enabled": {"const": True}}}},
+                }
+            },
+        }
 
     def not_enabled(key: str) -> dict[str, Any]:
-        return {"properties": {"deepspeed": {"properties": {key: {"properties": {"enabled": {"not": {"const": True}}}}}}}}
+        return {
+            "properties": {"deepspeed": {"properties": {key: {"properties": {"enabled": {"not": {"const": True}}}}}}}
+        }
 
     def precision(value: str, equal: bool) -> dict[str, Any]:
         test = {"const": value} if equal else {"not": {"const": value}}
-        return {"required": ["train"], "properties": {"train": {"required": ["precision"], "properties": {"precision": test}}}}
+        return {
+            "required": ["train"],
+            "properties": {"train": {"required": ["precision"], "properties": {"precision": test}}},
+        }
 
     rules = []
     for key in ("bf16", "fp16"):
@@ -310,15 +359,19 @@ def zero_schema_rules() -> list[dict[str, Any]]:
     tutorial_stage = tutorial_ds_config()["zero_optimization"]["stage"]
 
     def offloaded(key: str) -> dict[str, Any]:
-        return {"required": [key], "properties": {key: {"required": ["device"], "properties": {
-            "device": {"enum": ["cpu", "nvme"]}}}}}
+        return {
+            "required": [key],
+            "properties": {key: {"required": ["device"], "properties": {"device": {"enum": ["cpu", "nvme"]}}}},
+        }
 
     def stage(allowed: list[int]) -> dict[str, Any]:
         out: dict[str, Any] = {"properties": {"stage": {"enum": allowed}}}
         return out if tutorial_stage in allowed else {**out, "required": ["stage"]}
 
-    return [{"if": offloaded("offload_param"), "then": stage([3])},
-            {"if": offloaded("offload_optimizer"), "then": stage([1, 2, 3])}]
+    return [
+        {"if": offloaded("offload_param"), "then": stage([3])},
+        {"if": offloaded("offload_optimizer"), "then": stage([1, 2, 3])},
+    ]
 
 
 # --- the builder ------------------------------------------------------------------------------------------
@@ -333,8 +386,13 @@ def model_facts(cfg: TrainingConfig, model_config) -> dict[str, Any]:
     return {"hidden_size": hidden_size(model_config), "layer_classes": classes, "layer_params": params}
 
 
-def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int | None = None,
-          layer_classes: list[str] | None = None, layer_params: int = 0) -> dict[str, Any]:
+def build(
+    cfg: TrainingConfig,
+    hidden_size: int | None = None,
+    world_size: int | None = None,
+    layer_classes: list[str] | None = None,
+    layer_params: int = 0,
+) -> dict[str, Any]:
     """The final DeepSpeed config: the user's block with every "auto" filled. `hidden_size`, `layer_classes`
     and `layer_params` come from the model config (`model_facts`); None when it cannot be read yet (validate
     offline), and then the values derived from them stay "auto" until the run starts."""
@@ -361,30 +419,48 @@ def build(cfg: TrainingConfig, hidden_size: int | None = None, world_size: int |
     if t.precision != "bf16" and ds.get("grad_accum_dtype") == "bf16":
         # The tutorial's bf16 accumulation only makes sense when training in bf16.
         ds["grad_accum_dtype"] = "fp32" if t.precision == "fp32" else "fp16"
-    _fill_zero(ds.setdefault("zero_optimization", {}), cfg.deepspeed.zero_stage, hidden_size, layer_classes,
-               layer_params)
+    _fill_zero(
+        ds.setdefault("zero_optimization", {}), cfg.deepspeed.zero_stage, hidden_size, layer_classes, layer_params
+    )
     if "optimizer" in ds:
         params = ds["optimizer"].setdefault("params", {})
-        for key, value in {"lr": t.learning_rate, "betas": list(t.adam_betas), "eps": t.adam_eps,
-                           "weight_decay": t.weight_decay}.items():
+        for key, value in {
+            "lr": t.learning_rate,
+            "betas": list(t.adam_betas),
+            "eps": t.adam_eps,
+            "weight_decay": t.weight_decay,
+        }.items():
             if params.get(key) == AUTO:
                 params[key] = value
     # Without the model (validate before it is downloaded) the model-shape values stay "auto" until run start.
     model_derived = [*_ZERO_DERIVED, "leaf_module.classes"]
-    leftover = [p for p in _find_auto(ds)
-                if (hidden_size and layer_classes is not None) or p.removeprefix("zero_optimization.") not in model_derived]
+    leftover = [
+        p
+        for p in _find_auto(ds)
+        if (hidden_size and layer_classes is not None) or p.removeprefix("zero_optimization.") not in model_derived
+    ]
     if leftover:
-        raise ConfigError([Problem(f"deepspeed.{path}", AUTO, "no rule fills this 'auto' value", "set a concrete value")
-                           for path in leftover])
+        raise ConfigError(
+            [
+                Problem(f"deepspeed.{path}", AUTO, "no rule fills this 'auto' value", "set a concrete value")
+                for path in leftover
+            ]
+        )
     return ds
 
 
-_ZERO_DERIVED = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
-                 "stage3_param_persistence_threshold", "param_persistence_threshold")
+_ZERO_DERIVED = (
+    "reduce_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "param_persistence_threshold",
+)
 
 
-def _fill_zero(zero: dict[str, Any], stage: int, hidden_size: int | None, layer_classes: list[str] | None,
-               layer_params: int) -> None:
+def _fill_zero(
+    zero: dict[str, Any], stage: int, hidden_size: int | None, layer_classes: list[str] | None, layer_params: int
+) -> None:
     h = hidden_size or 0
     leaf = zero.get("leaf_module")
     auto_leaf = isinstance(leaf, dict) and leaf.get("classes") == AUTO

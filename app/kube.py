@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 GROUP, VERSION, PLURAL, KIND = "ray.io", "v1", "rayjobs", "RayJob"
-RESOURCE = f"{PLURAL}.{GROUP}"
 EXPERIMENT_LABEL = "ray-finetune/experiment"
 PROGRESS_ANNOTATION = "finetune.ray.io/progress"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -21,6 +20,14 @@ READ_TIMEOUT_S = 15.0
 
 class KubeError(Exception):
     """A failure already worded for the user: one line, no traceback."""
+
+
+def pod_namespace() -> str:
+    """The namespace of the pod this runs in (its ServiceAccount's), or "default" outside a pod."""
+    try:
+        return Path(SA_NAMESPACE_FILE).read_text().strip() or "default"
+    except OSError:
+        return "default"
 
 
 def _has_kubeconfig() -> bool:
@@ -42,8 +49,7 @@ def connect(prefer_in_cluster: bool = False, retries: int | bool = 1):
 
     def in_cluster(cfg):
         config.load_incluster_config(client_configuration=cfg)
-        ns = Path(SA_NAMESPACE_FILE).read_text().strip() if Path(SA_NAMESPACE_FILE).is_file() else "default"
-        return ns, "in-cluster ServiceAccount"
+        return pod_namespace(), "in-cluster ServiceAccount"
 
     def kubeconfig(cfg):
         if not _has_kubeconfig():

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from app.progress import duration
+
 log = logging.getLogger("finetune")
 
 # Dense bf16 peak FLOP/s per GPU used as the MFU denominator (H100/H200 SXM: 989 TFLOP/s).
@@ -26,13 +28,6 @@ def peak_flops() -> float | None:
 def flops_per_token(n_params: int, n_layers: int, hidden: int, seq: int) -> float:
     """Training FLOPs per token: 6N for the dense part plus 12*L*H*S for attention (PaLM appendix B)."""
     return 6 * n_params + 12 * n_layers * hidden * seq
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 class MetricsLogger:
@@ -76,7 +71,7 @@ class MetricsLogger:
         starved = f" data wait {data_wait / step_time:.0%}" if step_time and data_wait > 0.05 * step_time else ""
         log.info(
             f"step {step}/{self.total} epoch {epoch} loss {loss:.4f} lr {lr:.3g}{gn} "
-            f"tok/s/gpu {tokens_per_s_per_gpu:,.0f}{mfu} step {step_time * 1000:.0f}ms{starved} eta {_duration(eta)}"
+            f"tok/s/gpu {tokens_per_s_per_gpu:,.0f}{mfu} step {step_time * 1000:.0f}ms{starved} eta {duration(eta)}"
         )
         return record
 

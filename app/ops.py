@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from app import kube, logs
-from app.progress import parse as parse_progress
+from app.progress import duration, parse as parse_progress
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_API = 0, 1, 2, 3
 COMMANDS = ("status", "logs", "resume")
@@ -230,7 +230,7 @@ def render_progress(name: str, p: dict | None) -> list[str]:
     if p.get("tokens_per_s_per_gpu") is not None:
         lines.append(f"  throughput   {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, world size {_num(p.get('world_size'))}")
     if p.get("eta_s") is not None:
-        lines.append(f"  eta          {_duration(p['eta_s'])}")
+        lines.append(f"  eta          {duration(p['eta_s'])}")
     if p.get("last_checkpoint"):
         lines.append(f"  checkpoint   {p['last_checkpoint']} (step {_num(p.get('last_checkpoint_step'))})")
     if p.get("resumed_from"):
@@ -242,19 +242,12 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 def _ago(stamp: str | None) -> str | None:
     try:
         then = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
     except (AttributeError, ValueError):
         return None
-    return _duration((datetime.now(timezone.utc) - then).total_seconds())
+    return duration((datetime.now(timezone.utc) - then).total_seconds())
 
 
 # logs

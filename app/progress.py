@@ -72,7 +72,7 @@ class ProgressPublisher:
         name = os.environ.get(ENV_NAME, "").strip()
         if not name:
             return None
-        namespace = os.environ.get(ENV_NAMESPACE, "").strip() or _pod_namespace()
+        namespace = os.environ.get(ENV_NAMESPACE, "").strip() or kube.pod_namespace()
         try:
             interval_s = float(os.environ.get(ENV_INTERVAL, interval_s))
         except ValueError:
@@ -139,12 +139,12 @@ class ProgressPublisher:
                                                  body, _request_timeout=CALL_TIMEOUT_S)
 
 
-def _pod_namespace() -> str:
-    try:
-        with open(kube.SA_NAMESPACE_FILE) as f:
-            return f.read().strip() or "default"
-    except OSError:
-        return "default"
+def duration(seconds: float) -> str:
+    """A short human duration (4m05s, 2h07m): the ETA in progress lines and `finetune status`."""
+    seconds = int(max(0, seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def parse(annotation: str | None) -> dict[str, Any] | None:

@@ -40,8 +40,10 @@ def training_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     # The rules that span fields (app.ds_config's, DataConfig's), written as JSON schema conditions.
     schema["allOf"] = ds_config.schema_rules(TrainingConfig.model_fields["train"].default.precision)
     defs["ZeroOptimization"]["allOf"] = ds_config.zero_schema_rules()
-    schema["description"] = ("The app's training config file (see `finetune validate`); generated from "
-                             "app.config.TrainingConfig by `make schema`.")
+    schema["description"] = (
+        "The app's training config file (see `finetune validate`); generated from "
+        "app.config.TrainingConfig by `make schema`."
+    )
     return schema, defs
 
 
@@ -115,48 +117,60 @@ def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def kubernetes_properties() -> dict[str, Any]:
-    worker_group = _obj(_pod_group({
-        "enabled": BOOL,
-        "replicas": _int(0),
-        "minReplicas": _int(0),
-        "maxReplicas": _int(0),
-        "numOfHosts": _int(1),
-        "gpus": {**_int(0), "description": "GPUs per pod (requests = limits)."},
-        "gpuResource": {"type": "string", "minLength": 1},
-    }), "One worker group.")
+    worker_group = _obj(
+        _pod_group(
+            {
+                "enabled": BOOL,
+                "replicas": _int(0),
+                "minReplicas": _int(0),
+                "maxReplicas": _int(0),
+                "numOfHosts": _int(1),
+                "gpus": {**_int(0), "description": "GPUs per pod (requests = limits)."},
+                "gpuResource": {"type": "string", "minLength": 1},
+            }
+        ),
+        "One worker group.",
+    )
     return {
-        "image": _obj({
-            "repository": {"type": "string", "minLength": 1},
-            "tag": {"type": ["string", "number"]},
-            "digest": DIGEST,
-            "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
-        }),
+        "image": _obj(
+            {
+                "repository": {"type": "string", "minLength": 1},
+                "tag": {"type": ["string", "number"]},
+                "digest": DIGEST,
+                "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
+            }
+        ),
         "imagePullSecrets": {"type": "array", "items": _obj({"name": STR}, required=["name"])},
         "rayVersion": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+"},
         "commonLabels": STRING_MAP,
-        "rayJob": _obj({
-            "clusterMode": {"enum": ["ephemeral", "persistent"]},
-            "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode"]},
-            "shutdownAfterJobFinishes": BOOL,
-            "ttlSecondsAfterFinished": _int(0),
-            "backoffLimit": _int(0),
-            "activeDeadlineSeconds": _int(0),
-            "suspend": BOOL,
-            "queueName": STR,
-            "labels": STRING_MAP,
-            "annotations": STRING_MAP,
-            "submitter": _obj({
+        "rayJob": _obj(
+            {
+                "clusterMode": {"enum": ["ephemeral", "persistent"]},
+                "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode"]},
+                "shutdownAfterJobFinishes": BOOL,
+                "ttlSecondsAfterFinished": _int(0),
                 "backoffLimit": _int(0),
-                "resources": RESOURCES,
-                "nodeSelector": STRING_MAP,
-                "tolerations": LIST_OF_OBJECTS,
-                "podSecurityContext": FREE_OBJECT,
-                "securityContext": FREE_OBJECT,
-            }),
-        }),
+                "activeDeadlineSeconds": _int(0),
+                "suspend": BOOL,
+                "queueName": STR,
+                "labels": STRING_MAP,
+                "annotations": STRING_MAP,
+                "submitter": _obj(
+                    {
+                        "backoffLimit": _int(0),
+                        "resources": RESOURCES,
+                        "nodeSelector": STRING_MAP,
+                        "tolerations": LIST_OF_OBJECTS,
+                        "podSecurityContext": FREE_OBJECT,
+                        "securityContext": FREE_OBJECT,
+                    }
+                ),
+            }
+        ),
         "auth": _obj({"mode": {"enum": ["token", "disabled"]}, "secretName": STR, "allowDisabled": BOOL}),
-        "networkPolicy": _obj({"enabled": BOOL, "operatorNamespace": STR, "extraIngress": LIST_OF_OBJECTS,
-                               "egress": LIST_OF_OBJECTS}),
+        "networkPolicy": _obj(
+            {"enabled": BOOL, "operatorNamespace": STR, "extraIngress": LIST_OF_OBJECTS, "egress": LIST_OF_OBJECTS}
+        ),
         "autoscaling": _obj({"enabled": BOOL}),
         "head": _obj(_pod_group({"serviceAccountName": STR})),
         "workers": {
@@ -164,21 +178,30 @@ def kubernetes_properties() -> dict[str, Any]:
             "description": "Worker groups keyed by group name; null or enabled: false leaves a group out.",
             "additionalProperties": {**worker_group, "type": ["object", "null"]},
         },
-        "storage": _obj({
-            "mountPath": {"type": "string", "pattern": "^/"},
-            "create": BOOL,
-            "existingClaim": STR,
-            "storageClassName": STR,
-            "size": QTY,
-            "accessModes": {"type": "array", "minItems": 1, "items": {
-                "enum": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]}},
-            "annotations": STRING_MAP,
-            "huggingfaceCache": BOOL,
-        }),
-        "huggingface": _obj({
-            "tokenSecret": _obj({"name": STR, "key": {"type": "string", "minLength": 1}},
-                                "An existing Secret holding the token; the token itself never goes in values."),
-        }),
+        "storage": _obj(
+            {
+                "mountPath": {"type": "string", "pattern": "^/"},
+                "create": BOOL,
+                "existingClaim": STR,
+                "storageClassName": STR,
+                "size": QTY,
+                "accessModes": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"enum": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]},
+                },
+                "annotations": STRING_MAP,
+                "huggingfaceCache": BOOL,
+            }
+        ),
+        "huggingface": _obj(
+            {
+                "tokenSecret": _obj(
+                    {"name": STR, "key": {"type": "string", "minLength": 1}},
+                    "An existing Secret holding the token; the token itself never goes in values.",
+                ),
+            }
+        ),
         "ncclEnv": {**SCALAR_MAP, "description": "NCCL_* variables (validate.yaml rejects other names)."},
         "env": ENV_LIST,
         "podSecurityContext": FREE_OBJECT,
@@ -205,8 +228,13 @@ def render() -> str:
 
 # The app defaults that the chart reads (the worker count, the CPUs per worker pod, the batch rule in
 # validate.yaml, NOTES.txt): values.yaml leaves training.* to the app, so the chart takes them from the models too.
-CHART_READS = ("scaling.use_gpu", "scaling.cpus_per_worker", "train.micro_batch_size",
-               "train.gradient_accumulation_steps", "checkpoint.keep")
+CHART_READS = (
+    "scaling.use_gpu",
+    "scaling.cpus_per_worker",
+    "train.micro_batch_size",
+    "train.gradient_accumulation_steps",
+    "checkpoint.keep",
+)
 
 
 def render_defaults() -> str:
@@ -215,11 +243,13 @@ def render_defaults() -> str:
     for path in CHART_READS:
         section, key = path.split(".")
         picked.setdefault(section, {})[key] = defaults[section][key]
-    return ("{{/* Generated by `make schema` from app.config.TrainingConfig; do not edit. The app's defaults of the\n"
-            "training values the chart's own checks read: merged under .Values.training by \"ray-finetune.training\". */}}\n"
-            '{{- define "ray-finetune.appDefaults" -}}\n'
-            f"{json.dumps(picked, sort_keys=True)}\n"
-            "{{- end }}\n")
+    return (
+        "{{/* Generated by `make schema` from app.config.TrainingConfig; do not edit. The app's defaults of the\n"
+        'training values the chart\'s own checks read: merged under .Values.training by "ray-finetune.training". */}}\n'
+        '{{- define "ray-finetune.appDefaults" -}}\n'
+        f"{json.dumps(picked, sort_keys=True)}\n"
+        "{{- end }}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

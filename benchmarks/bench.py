@@ -17,7 +17,6 @@ time_to_first_step_s (process launch to the end of step 1), losses, versions, an
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.metadata as md
 import json
 import os
@@ -420,7 +419,7 @@ def _emit(out: Path, row: dict[str, Any], results: list[dict[str, Any]]) -> None
 
 def _append_log(dest: Path, name: str, log_path: Path, lines: int = 40) -> None:
     text = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
-    keep = [l for l in text if "step " in l or "rror" in l or "resumed" in l][-lines:]
+    keep = [line for line in text if "step " in line or "rror" in line or "resumed" in line][-lines:]
     with dest.open("a") as f:
         f.write(f"===== {name}\n" + "\n".join(keep or text[-lines:]) + "\n")
 

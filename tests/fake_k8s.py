@@ -554,9 +554,9 @@ class FakeKube:
                     raise ApiError(400, "BadRequest", "json: cannot unmarshal object into Go value of type jsonpatch.Patch")
                 new = json_patch(live, patch)
             else:
-                raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted "
-                                                            f"media types include: application/json-patch+json, "
-                                                            f"application/merge-patch+json, application/apply-patch+yaml")
+                raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted "
+                                                            "media types include: application/json-patch+json, "
+                                                            "application/merge-patch+json, application/apply-patch+yaml")
             # A patch carries resourceVersion only when the client asks for optimistic concurrency.
             if isinstance(patch, dict) and not (patch.get("metadata") or {}).get("resourceVersion"):
                 new["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
