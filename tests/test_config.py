@@ -250,3 +250,18 @@ def test_bad_stage_with_a_checkpoint_of_another_world_size_exits_2(storage, tiny
         assert "error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2 or 3 (got 'three')" in err, err
         assert "Traceback" not in err
     assert snapshot(storage) == before
+
+
+def test_the_resume_plan_is_applied_before_the_checks(storage, tiny_model, capsys):
+    """A checkpoint of 4 workers x 4 sequences (16 a step) resumed by 2 workers: the plan doubles the accumulation
+    first, so an explicit train_batch_size of 16 is checked against the config the run will use."""
+    import yaml
+
+    fake_checkpoint(storage, 4, world_size=4, micro_batch_size=4, gradient_accumulation_steps=1)
+    args = [*base_args(storage, tiny_model), "--set", "train.micro_batch_size=4", "--set", "deepspeed.train_batch_size=16"]
+    assert main(["validate", *args]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out.split("# deepspeed config")[0])
+    assert resolved["train"]["gradient_accumulation_steps"] == 2
+    fake_checkpoint(storage, 8, world_size=3, micro_batch_size=4, gradient_accumulation_steps=1)  # 12: 2 x 4 can't
+    assert main(["validate", *args]) == 2
+    assert "error: scaling.num_workers: the experiment's last checkpoint (step-00000008)" in capsys.readouterr().err
