@@ -151,7 +151,10 @@ def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
 
     path = cfg.experiment_dir / DS_CONFIG_RECORD
     write_atomic(path, json.dumps(ds, indent=2) + "\n")
-    log.info(f"DeepSpeed config (resolved, recorded in {path}): {json.dumps(ds)}")
+    # One line in the (quiet) log; the whole config is in the file.
+    log.info(f"DeepSpeed config: ZeRO-{cfg.zero_stage}, {ds['train_batch_size']} sequences a step "
+             f"({ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} accumulation x "
+             f"{cfg.scaling.num_workers} workers), {cfg.train.precision}; every value in {path}")
 
 
 def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
