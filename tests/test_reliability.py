@@ -103,7 +103,7 @@ def copy_experiment(src_storage: Path, name: str, dst_storage: Path) -> Path:
 
 
 def resumed_line(out: str) -> re.Match:
-    m = re.search(r"resumed from (\S+) \((registered by Ray|fallback)\) at global step (\d+) [^;]*; (.*)", out)
+    m = re.search(r"resumed from (\S+) \((registered by Ray|complete, newer than Ray's latest|fallback)\) at global step (\d+) [^;]*; (.*)", out)
     assert m, out[-6000:]
     return m
 
@@ -169,10 +169,10 @@ def test_worker_sigkill_restarts_group_and_matches_uninterrupted_run(baseline, t
     assert "FAULT INJECTION: rank 1" in out and "kills itself with SIGKILL after step 5" in out
     m = resumed_line(out)
     # Ray registers a report asynchronously, so the last registered checkpoint is step 4 or, if rank 1 died
-    # before Ray took in step 4's report, step 2; either way the log says which, and what is redone.
-    s = int(m[3])
-    assert m[2] == "registered by Ray" and s in (2, 4) and Path(m[1]).name == f"step-{s:08d}", m[0]
-    assert m[4].startswith(f"steps {s + 1}..5 ({5 - s}) that the previous attempt had done are redone"), m[0]
+    # before Ray took in step 4's report, step 2; the resume takes step 4 either way (complete on storage).
+    assert m[2] in ("registered by Ray", "complete, newer than Ray's latest"), m[0]
+    assert int(m[3]) == 4 and Path(m[1]).name == "step-00000004", m[0]
+    assert m[4].startswith("steps 5..5 (1) that the previous attempt had done are redone"), m[0]
     assert "done: crash at global step 8" in out
     full, crashed = losses(baseline), losses(tmp_path / "crash")
     assert sorted(crashed) == list(range(1, 9))
@@ -184,7 +184,11 @@ def test_worker_sigkill_restarts_group_and_matches_uninterrupted_run(baseline, t
 # --- 2. the driver dies while a checkpoint is being written ------------------------------------------------
 
 
-def check_resume_after_mid_save_kill(storage: Path, name: str, baseline: Path, model: Path, step: int = 6) -> str:
+def check_resume_after_mid_save_kill(storage: Path, name: str, baseline: Path, model: Path, step: int = 6,
+                                     complete: bool = False) -> str:
+    """The redeploy after a kill while step `step` was being saved: from `step` itself when that checkpoint was
+    complete on storage (Ray never registered it), else from the registered step before it, with the partial
+    folder removed; either way the losses from there on match the uninterrupted run's."""
     out = train(storage, name, model)
     run_dir = storage / name
     # The dead driver's lease: taken over at once (its process on this host is gone) or, when the redeploy comes
@@ -192,10 +196,16 @@ def check_resume_after_mid_save_kill(storage: Path, name: str, baseline: Path, m
     assert re.search(r"took over the lease of a run that (ran as pid \d+ on this host|stopped heart-beating)",
                      out), out[-6000:]
     m = resumed_line(out)
-    assert m[2] == "registered by Ray" and Path(m[1]).name == f"step-{step - 2:08d}", m[0]
-    assert re.search(rf"removed step-{step:08d}, newer than the checkpoint resumed from", out), out[-6000:]
+    if complete:
+        assert m[2] == "complete, newer than Ray's latest" and Path(m[1]).name == f"step-{step:08d}", m[0]
+        assert m[4].startswith("no step is redone"), m[0]
+        assert "removed step-" not in out and "moved step-" not in out, out[-6000:]
+    else:
+        assert m[2] == "registered by Ray" and Path(m[1]).name == f"step-{step - 2:08d}", m[0]
+        assert re.search(rf"removed step-{step:08d}, newer than the checkpoint resumed from", out), out[-6000:]
     full, got = losses(baseline), losses(run_dir)
-    assert max(abs(full[k] - got[k]) for k in range(step - 1, 9)) <= EXACT, (full, got)
+    first = step + 1 if complete else step - 1
+    assert max(abs(full[k] - got[k]) for k in range(first, 9)) <= EXACT, (full, got)
     from app import checkpoint
 
     assert all(checkpoint.problem(f) is None for f in checkpoint.step_folders(run_dir))
@@ -210,15 +220,25 @@ def test_driver_killed_mid_save_resumes_from_last_complete(killed, baseline, tmp
     check_resume_after_mid_save_kill(tmp_path, "killed", baseline, tiny_model)
 
 
+def test_driver_killed_after_a_checkpoint_completed_before_ray_registered_it(baseline, tmp_path, tiny_model):
+    """Killed (driver and Ray, SIGKILL) when the step-6 checkpoint is complete on storage but Ray has not yet
+    registered it: the next deploy resumes at step 6 itself, redoes nothing and deletes nothing."""
+    _, left = kill_mid_save(tmp_path, "kbr", tiny_model, "before_report")
+    assert left == [], left
+    assert (tmp_path / "kbr" / "checkpoints" / "step-00000006" / "trainer_state.json").exists()
+    assert registered(tmp_path / "kbr")[-1] == "step-00000004"
+    check_resume_after_mid_save_kill(tmp_path, "kbr", baseline, tiny_model, complete=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["before_shards", "before_state", "before_report"])
+@pytest.mark.parametrize("phase", ["before_shards", "before_state"])
 def test_driver_killed_at_other_moments_of_a_save(phase, baseline, tmp_path, tiny_model):
-    """Killed when the step-6 folder is still empty, when every shard is written but not the completion mark,
-    and when the checkpoint is complete on disk but not yet registered with Ray: always resumed from step 4."""
+    """Killed when the step-6 folder is still empty, and when every shard is written but not the completion
+    mark: resumed from step 4, the partial folder removed."""
     _, left = kill_mid_save(tmp_path, "kms", tiny_model, phase)
     assert left == [], left
     partial = tmp_path / "kms" / "checkpoints" / "step-00000006"
-    assert partial.is_dir() and ((partial / "trainer_state.json").exists() == (phase == "before_report"))
+    assert partial.is_dir() and not (partial / "trainer_state.json").exists()
     check_resume_after_mid_save_kill(tmp_path, "kms", baseline, tiny_model)
 
 
@@ -618,6 +638,9 @@ def test_plan_resume_decisions(tmp_path):
 
     two, four, six = make(2), make(4), make(6, complete=False)
     assert checkpoint.choose(tmp_path, four) == (four, [])
+    # A complete checkpoint newer than Ray's latest (the run died before reporting it) wins, and survives.
+    chosen, warnings = checkpoint.choose(tmp_path, two)
+    assert chosen == four and "Ray never registered it" in warnings[0]
     chosen, warnings = checkpoint.choose(tmp_path, tmp_path / "checkpoints" / "step-00000008")
     assert chosen == four and "does not exist" in warnings[0]
     (four / "ds" / "a.bin").write_bytes(b"x" * 5)
@@ -633,6 +656,13 @@ def test_plan_resume_decisions(tmp_path):
     shutil.rmtree(four)
     assert checkpoint.choose(tmp_path, None)[0] is None  # only a never-finished folder: a fresh start
     assert checkpoint.remove_newer(tmp_path, -1) and not six.exists()
+    # Cleaning up above a resumed step removes partial folders but only sets complete ones aside.
+    eight, ten = make(8), make(10, complete=False)
+    done = checkpoint.remove_newer(tmp_path, 2)
+    assert not ten.exists() and not eight.exists() and any("removed step-00000010" in d for d in done)
+    aside = [f for f in (tmp_path / "checkpoints").iterdir() if f.name.startswith("step-00000008.complete-")]
+    assert len(aside) == 1 and checkpoint.problem(aside[0]) is None, done
+    assert checkpoint.step_folders(tmp_path) == []
 
 
 # --- 7. hostile input to `finetune validate` ----------------------------------------------------------------

@@ -4,9 +4,11 @@
    config, whether this run can continue it and with which gradient accumulation (a changed number of workers
    keeps the global batch); `apply` gives the config the run uses. Nothing is mutated.
 2. `choose` (rank 0, in the workers): which checkpoint to load: the one Ray registered, or, when that one is
-   missing, incomplete or failed to load, the newest older complete one, with a warning; never a fresh start over
-   an experiment with progress. The ranks receive it as one typed `LoadPlan`.
-3. `resume` / `restore` (every rank): clean up newer unregistered folders, load, and say which steps are redone.
+   missing, incomplete or failed to load, the newest older complete one, with a warning; a newer complete one
+   that Ray never registered wins over it; never a fresh start over an experiment with progress. The ranks
+   receive it as one typed `LoadPlan`.
+3. `resume` / `restore` (every rank): remove newer partial folders (a complete one is only set aside), load,
+   and say which steps are redone.
 """
 
 from __future__ import annotations
@@ -149,9 +151,17 @@ class LoadPlan:
 
 
 def choose(run_dir: Path, registered: Path | None) -> tuple[Path | None, list[str]]:
-    """(checkpoint to resume from or None to start fresh, warnings). Raises CheckpointError rather than
-    start from scratch over an experiment that has progress."""
+    """(checkpoint to resume from or None to start fresh, warnings): the newest complete checkpoint, registered
+    with Ray or not, so that finished work is never redone or deleted. Raises CheckpointError rather than start
+    from scratch over an experiment that has progress."""
     if registered is not None:
+        newer = _complete_newer_than(run_dir, Path(registered))
+        if newer is not None:
+            return newer, [
+                f"{newer.name} is complete on storage but Ray never registered it (the previous run stopped "
+                f"between writing it and reporting it; Ray's latest is {Path(registered).name}): resuming from "
+                f"{newer.name}, the newest complete checkpoint"
+            ]
         return _registered_or_older(run_dir, Path(registered))
     newest, skipped = scan_usable(run_dir)
     if newest is not None:
@@ -172,6 +182,14 @@ def choose(run_dir: Path, registered: Path | None) -> tuple[Path | None, list[st
             f"no finished checkpoint in {Path(run_dir) / 'checkpoints'}{skipped_text(skipped)}; starting from scratch"
         ]
     return None, []
+
+
+def _complete_newer_than(run_dir: Path, registered: Path) -> Path | None:
+    """The newest complete checkpoint newer than Ray's registered one, if any. Complete means every rank's
+    files are there as its manifest lists them, the state file written last; a dead run's late workers cannot
+    complete one after a takeover (the save checks the lease first)."""
+    newest = newest_usable(run_dir)
+    return newest if newest is not None and step_of(newest) > step_of(registered) else None
 
 
 def _registered_or_older(run_dir: Path, registered: Path) -> tuple[Path, list[str]]:
@@ -219,18 +237,25 @@ def remove_newer(run_dir: Path, step: int) -> list[str]:
         if step_of(folder) <= step:
             continue
         names = {p.name for p in folder.iterdir()}
-        if all(n in OUR_NAMES or n.startswith("rng-rank") for n in names):
-            why = (
-                problem(folder)
-                or "complete, but Ray never registered it (the run stopped before every rank reported it)"
+        why = problem(folder)
+        if why is None:  # complete: never thrown away, only set aside where a later resume does not look
+            aside = _move_aside(folder, "complete")
+            done.append(
+                f"moved {folder.name} aside to {aside.name}: complete, but newer than the checkpoint resumed from"
             )
+        elif all(n in OUR_NAMES or n.startswith("rng-rank") for n in names):
             shutil.rmtree(folder)
             done.append(f"removed {folder.name}, newer than the checkpoint resumed from: {why}")
         else:
-            aside = folder.with_name(f"{folder.name}.foreign-{time.strftime('%Y%m%dT%H%M%S')}")
-            os.rename(folder, aside)
+            aside = _move_aside(folder, "foreign")
             done.append(f"moved {folder.name} aside to {aside.name} (it holds files this app does not write)")
     return done
+
+
+def _move_aside(folder: Path, why: str) -> Path:
+    aside = folder.with_name(f"{folder.name}.{why}-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.rename(folder, aside)
+    return aside
 
 
 # --- 3. every rank: load ------------------------------------------------------------------------------------
@@ -265,7 +290,12 @@ def resume(engine, registered, run_dir: Path, rank: int, world: int) -> dict[str
         redone = f"steps {s + 1}..{last_step} ({last_step - s}) that the previous attempt had done are redone"
     else:
         redone = "no step is redone"
-    source = "registered by Ray" if registered_path == chosen else "fallback"
+    if registered_path == chosen:
+        source = "registered by Ray"
+    elif registered_path is not None and step_of(chosen) > step_of(registered_path):
+        source = "complete, newer than Ray's latest"
+    else:
+        source = "fallback"
     log.info(
         f"resumed from {chosen} ({source}) at global step {s} (epoch {position['epoch']}, "
         f"step {position['step_in_epoch']} of the epoch), loaded in {position['load_s']:.1f}s; {redone}"
