@@ -135,13 +135,15 @@ def worker_env(cfg: TrainingConfig) -> dict[str, str]:
 def run(cfg: TrainingConfig, ds: dict[str, Any]):
     """Run (or resume) the experiment under its lease; returns Ray's Result."""
     # Nothing is written to the experiment folder before this run holds its lease.
-    with Lease(cfg.experiment_dir, cfg.experiment.lease_timeout_s).acquire(wait=cfg.experiment.on_conflict == "wait"):
+    with Lease(cfg.experiment_dir, cfg.experiment.lease_timeout_s).acquire(
+        wait=cfg.experiment.on_conflict == "wait"
+    ) as lease:
         from app.checkpoint import repair_ray_snapshot
 
         for warning in repair_ray_snapshot(cfg.experiment_dir):
             log.warning(f"WARNING: {warning}")
         record_ds_config(cfg, ds)
-        return _fit(cfg, ds)
+        return _fit(cfg, ds, lease.token)
 
 
 def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
@@ -157,7 +159,7 @@ def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
              f"{cfg.scaling.num_workers} workers), {cfg.train.precision}; every value in {path}")
 
 
-def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
+def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -180,7 +182,9 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any]):
     log.info(f"starting {s.num_workers} training workers (about 30 s: each loads torch, DeepSpeed, the model and data)")
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "ds_config": ds, "startup": marks},
+        # The lease token: the workers check it before completing a checkpoint (app/checkpoint/saving.py).
+        train_loop_config={"config": cfg.model_dump(mode="json"), "ds_config": ds, "startup": marks,
+                           "lease_token": lease_token},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
                                      resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}),

@@ -184,6 +184,15 @@ class Lease:
         self.release()
 
 
+def holds(run_dir: Path, token: str | None) -> bool:
+    """Whether the lease on `run_dir` still carries `token` (the workers' check before they complete a
+    checkpoint: a dead run's late workers must not add one after a takeover). No token: not under a lease."""
+    if token is None:
+        return True
+    holder, _ = Lease(run_dir, 0).read()
+    return bool(holder) and holder.get("token") == token
+
+
 def _exit_lost(lease: Lease, holder: dict | None) -> None:
     log.error(f"lost the lease on {lease.path.parent} (now held by {holder}); stopping so that two runs never "
               "write the same experiment folder")

@@ -121,6 +121,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             rank,
             dist.barrier,
             lambda p: (model.config.save_pretrained(p), tokenizer.save_pretrained(p)),
+            lease_token=loop_config.get("lease_token"),
         )
         ray.train.report(
             {**extra, **state, "checkpoint": str(path)},

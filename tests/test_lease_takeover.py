@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.lease import Lease, LeaseHeld
 from conftest import REPO
@@ -129,3 +130,61 @@ def test_without_api_access_the_timeout_decides(kube, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="finetune"), pytest.raises(LeaseHeld):
         Lease(tmp_path, 600).acquire()
     assert "forbidden" in caplog.text and "expires by timeout" in caplog.text
+
+
+# --- the commit side: a run whose lease was taken over never completes a checkpoint ------------------------
+
+
+class ShardWriter:
+    """Stands in for the DeepSpeed engine in these tests: writes one shard where save_checkpoint would, and runs
+    `during` while "writing" (a takeover that happens in the middle of a save). The real engine's save is covered
+    by the Ray runs in tests/test_reliability.py; what is tested here is the lease check around it."""
+
+    def __init__(self, during=None):
+        self.during = during or (lambda: None)
+
+    def save_checkpoint(self, path, tag, client_state, save_latest):
+        (Path(path) / tag).mkdir(parents=True, exist_ok=True)
+        torch.save({"shard": torch.zeros(4)}, Path(path) / tag / "mp_rank_00_model_states.pt")
+        self.during()
+
+
+def take_over(run_dir: Path) -> Lease:
+    """Another deploy takes the experiment's lease (as it would from a run it judged gone)."""
+    (run_dir / ".lease").unlink()
+    return Lease(run_dir, 600, on_lost=lambda *_: None).acquire()
+
+
+def save(run_dir: Path, step: int, token: str, engine: ShardWriter) -> Path:
+    from app import checkpoint
+
+    path = checkpoint.checkpoint_dir(run_dir, step)
+    state = {"global_step": step, "world_size": 1, "epoch": 0, "step_in_epoch": step}
+    checkpoint.save(engine, path, state, 0, lambda: None, lambda p: p.mkdir(parents=True), lease_token=token)
+    return path
+
+
+@pytest.mark.parametrize("when", ["before the save", "while the shards are written"])
+def test_checkpoint_is_not_completed_after_a_takeover(when, tmp_path):
+    from app import checkpoint
+
+    old = Lease(tmp_path, 600, on_lost=lambda *_: None).acquire()
+    first = save(tmp_path, 2, old.token, ShardWriter())
+    assert checkpoint.problem(first) is None  # while the lease is ours, a save completes
+    if when == "before the save":
+        new = take_over(tmp_path)
+        engine = ShardWriter()
+    else:
+        holder = []
+        engine = ShardWriter(during=lambda: holder.append(take_over(tmp_path)))
+    with pytest.raises(checkpoint.CheckpointError, match="no longer belongs to this run"):
+        save(tmp_path, 4, old.token, engine)
+    assert not (checkpoint.checkpoint_dir(tmp_path, 4) / "trainer_state.json").exists()
+    assert checkpoint.newest_usable(tmp_path) == first
+    new = new if when == "before the save" else holder[0]
+    # The new holder's own checkpoint of the same step completes, and the old run could not have removed it.
+    assert checkpoint.problem(save(tmp_path, 4, new.token, ShardWriter())) is None
+    with pytest.raises(checkpoint.CheckpointError):
+        save(tmp_path, 4, old.token, ShardWriter())
+    assert checkpoint.problem(checkpoint.checkpoint_dir(tmp_path, 4)) is None
+    old._stop.set(), new.release()

@@ -1,6 +1,7 @@
 """Writing a checkpoint: every rank writes its shards straight into the step folder on the shared volume (no temp
-copy), rank 0 writes the state file last. The caller then reports the folder to Ray with NO_UPLOAD: Ray registers
-it only when every rank has reported, so a checkpoint is either complete and registered, or ignored on resume.
+copy), rank 0 writes the state file last, and only while the experiment's lease is still this run's. The caller then
+reports the folder to Ray with NO_UPLOAD: Ray registers it when every rank has reported. A checkpoint whose state
+file is written is complete: a resume uses it even when the run died before Ray registered it.
 """
 
 from __future__ import annotations
@@ -10,19 +11,21 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from app import faults
+from app import faults, lease
 from app.checkpoint.layout import (
     STATE_FILE,
     TAG,
     CheckpointError,
     manifest,
     nearest_existing,
+    problem,
     rng_file,
     scan_usable,
     step_of,
@@ -37,18 +40,27 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def save(engine, path: Path, state: dict[str, Any], rank: int, barrier, hf_files) -> None:
+def save(
+    engine, path: Path, state: dict[str, Any], rank: int, barrier, hf_files, lease_token: str | None = None
+) -> None:
     """All ranks call this; on return `path` holds a complete checkpoint (not yet registered with Ray).
 
     A full or read-only volume fails the save with a CheckpointError that says where, how much a checkpoint
-    needs and how much is free; the previous checkpoint is untouched and stays registered.
+    needs and how much is free; the previous checkpoint is untouched and stays registered. Rank 0 checks that
+    the experiment's lease still carries this run's `lease_token` before it touches the folder and again just
+    before the completion mark: the late workers of a run whose lease was taken over never complete one.
     """
     path = Path(path)
     run_dir, step, world = path.parent.parent, state.get("global_step", 0), state.get("world_size", 1)
     try:
+        if rank == 0:
+            _check_lease(run_dir, lease_token, path)
         if rank == 0 and path.exists():
-            # Left by a run that died while saving this same step: never registered, safe to replace.
-            shutil.rmtree(path)
+            # Left by a run that died while saving this same step; a complete one is set aside, never deleted.
+            if problem(path) is None:
+                path.rename(path.with_name(f"{path.name}.complete-{time.strftime('%Y%m%dT%H%M%S')}"))
+            else:
+                shutil.rmtree(path)
         barrier()
         if rank == 0:
             path.mkdir(parents=True, exist_ok=True)
@@ -63,12 +75,21 @@ def save(engine, path: Path, state: dict[str, Any], rank: int, barrier, hf_files
     barrier()
     if rank == 0:
         faults.maybe_pause("before_state", step, rank, world, run_dir)
+        _check_lease(run_dir, lease_token, path)
         try:
             # The completion mark, written last: with it, the list of files and sizes that make the checkpoint.
             write_atomic(path / STATE_FILE, json.dumps({**state, "files": manifest(path)}, indent=2))
         except OSError as exc:
             raise storage_error(exc, path, engine) or exc
         faults.maybe_pause("before_report", step, rank, world, run_dir)
+
+
+def _check_lease(run_dir: Path, token: str | None, path: Path) -> None:
+    if not lease.holds(run_dir, token):
+        raise CheckpointError(
+            f"not completing {path}: the lease on {run_dir} no longer belongs to this run (another deploy took it "
+            "over), so this run must not write there; the new holder resumes from the last complete checkpoint"
+        )
 
 
 def storage_error(exc: BaseException, path: Path, engine) -> CheckpointError | None:
