@@ -11,8 +11,10 @@ its lease gone or replaced stops the run at once rather than write beside the ne
 
 A contender also takes over at once, without waiting for the timeout, when the holder is provably gone: it ran
 on this host (same hostname, boot and pid namespace) and its process has ended (or its pid now belongs to a
-process started later), or it ran in a Kubernetes pod that no longer exists (or has ended). Where that cannot be
-proven (another host, no API access), only the timeout decides.
+process started later), or, on KubeRay, the RayJob it ran under no longer exists (deleted, or replaced by a new
+object of the same name: a redeploy). That needs only `get` of the experiment's own RayJob, by name, which the
+chart grants. Where it cannot be proven (another host, no API access), only the timeout decides; the late
+workers of a run taken over this way cannot complete a checkpoint (they check the token first, `holds`).
 
 Guarantee: at most one live holder, provided the clocks of the nodes and the file server agree to well
 within the timeout (NTP), and a holder is not frozen (SIGSTOP, a VM pause) for longer than the timeout; a
@@ -67,6 +69,7 @@ class Lease:
     # -- acquiring -----------------------------------------------------------------------------------------
     def acquire(self, wait: bool = False, poll_s: float = 5.0) -> Lease:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.info["rayjob"] = own_rayjob()
         announced = False
         while True:
             if self._try_create():
@@ -249,13 +252,35 @@ def holder_gone(holder: dict) -> str | None:
         if holder.get("pid_start") and proc[1] != holder["pid_start"]:
             return f"ran as pid {pid} on this host, which now belongs to a process started later"
         return None
-    if holder.get("pod") and holder.get("namespace"):
-        return _pod_gone(str(holder["namespace"]), str(holder["pod"]))
+    ref = holder.get("rayjob")
+    if isinstance(ref, dict) and ref.get("name") and ref.get("namespace") and ref.get("uid"):
+        return _rayjob_gone(ref)
     return None
 
 
-def _pod_gone(namespace: str, pod: str) -> str | None:
-    """Asks the Kubernetes API (the pod's ServiceAccount needs `get pods`); any failure proves nothing."""
+def own_rayjob() -> dict | None:
+    """{namespace, name, uid} of the RayJob this process runs under (FINETUNE_RAYJOB_*, set by the chart), or
+    None off Kubernetes or when the API cannot tell (then only the timeout can end this lease early)."""
+    name, namespace = os.environ.get("FINETUNE_RAYJOB_NAME"), os.environ.get("FINETUNE_RAYJOB_NAMESPACE")
+    if not name or not namespace:
+        return None
+    found = _get_rayjob(namespace, name)
+    uid = found.get("metadata", {}).get("uid") if isinstance(found, dict) else None
+    return {"namespace": namespace, "name": name, "uid": uid} if uid else None
+
+
+def _rayjob_gone(ref: dict) -> str | None:
+    where = f"ran under RayJob {ref['namespace']}/{ref['name']}"
+    found = _get_rayjob(ref["namespace"], ref["name"])
+    if found == 404:
+        return f"{where}, which no longer exists"
+    if isinstance(found, dict) and found.get("metadata", {}).get("uid") not in (None, ref["uid"]):
+        return f"{where}, which was deleted (the RayJob of that name is a new object: a redeploy)"
+    return None
+
+
+def _get_rayjob(namespace: str, name: str) -> dict | int | None:
+    """The RayJob as a dict, 404 when there is none, None when the API cannot tell (logged: the timeout decides)."""
     from app import kube
 
     try:
@@ -264,19 +289,15 @@ def _pod_gone(namespace: str, pod: str) -> str | None:
 
         api, _, _ = kube.connect(prefer_in_cluster=True, retries=False)
         with api:
-            found = client.CoreV1Api(api).read_namespaced_pod(
-                pod, namespace, _request_timeout=(kube.CONNECT_TIMEOUT_S, kube.READ_TIMEOUT_S))
+            return client.CustomObjectsApi(api).get_namespaced_custom_object(
+                "ray.io", "v1", namespace, "rayjobs", name,
+                _request_timeout=(kube.CONNECT_TIMEOUT_S, kube.READ_TIMEOUT_S))
     except ApiException as exc:
         if exc.status == 404:
-            return f"ran in pod {namespace}/{pod}, which no longer exists"
-        log.info(f"cannot tell whether the lease holder's pod exists, so its lease expires by timeout: "
-                 f"{kube.describe(exc, 'get pods', namespace)}")
-        return None
+            return 404
+        log.info(f"cannot read RayJob {namespace}/{name}, so a lease held under it expires by timeout only: "
+                 f"{kube.describe(exc, 'get rayjobs', namespace)}")
     except Exception as exc:  # noqa: BLE001 - no credentials, no network: the timeout decides
-        log.info(f"cannot tell whether the lease holder's pod exists ({kube.describe(exc, 'get pods', namespace)}); "
-                 "its lease expires by timeout")
-        return None
-    phase = getattr(found.status, "phase", None)
-    if phase in ("Succeeded", "Failed"):
-        return f"ran in pod {namespace}/{pod}, which has ended ({phase})"
+        log.info(f"cannot read RayJob {namespace}/{name} ({kube.describe(exc, 'get rayjobs', namespace)}); a lease "
+                 "held under it expires by timeout only")
     return None

@@ -1,5 +1,6 @@
 """The lease is taken over at once when its holder is provably gone, and only after the timeout otherwise
-(issue 14, item 5): real processes on this host, and pods through tests/fake_k8s.py with the real client."""
+(issue 14, item 5): real processes on this host, and RayJobs through tests/fake_k8s.py with the real client; and
+a run whose lease was taken over never completes a checkpoint."""
 
 from __future__ import annotations
 
@@ -100,33 +101,44 @@ def kube(tmp_path, monkeypatch):
     server.stop()
 
 
-def pod_lease(folder: Path, pod: str) -> None:
-    """A fresh lease written by a driver in pod `ml/<pod>` on another node."""
+RAYJOB = {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "exp1", "namespace": "ml"},
+          "spec": {"entrypoint": "finetune train /etc/finetune/config.yaml"}}
+
+
+def rayjob_lease(folder: Path, uid: str) -> None:
+    """A fresh lease written by a driver on another node, under RayJob ml/exp1 with this uid."""
     folder.mkdir(exist_ok=True)
-    (folder / ".lease").write_text(json.dumps({"token": "t", "host": pod, "pid": 7, "pod": pod, "namespace": "ml",
-                                               "boot_id": "other-node", "pid_ns": "pid:[2]", "timeout_s": 600}))
+    (folder / ".lease").write_text(json.dumps({"token": "t", "host": "exp1-head-abcde", "pid": 7, "pod": "exp1-head-abcde",
+                                               "namespace": "ml", "boot_id": "other-node", "pid_ns": "pid:[2]",
+                                               "timeout_s": 600, "rayjob": {"namespace": "ml", "name": "exp1", "uid": uid}}))
 
 
-def test_holder_pod_that_no_longer_exists_is_taken_over_at_once(kube, tmp_path, caplog):
-    kube.add_pod("ml", "exp1-head-abcde", {}, ["ray-head"], {})
-    pod_lease(tmp_path, "exp1-head-abcde")
-    with pytest.raises(LeaseHeld):  # the pod runs: its driver may be alive
+def test_holder_records_the_rayjob_it_runs_under(kube, tmp_path, monkeypatch):
+    uid = kube.add_rayjob(RAYJOB)["metadata"]["uid"]
+    monkeypatch.setenv("FINETUNE_RAYJOB_NAME", "exp1")
+    monkeypatch.setenv("FINETUNE_RAYJOB_NAMESPACE", "ml")
+    with Lease(tmp_path, 600).acquire():
+        assert lease_record(tmp_path)["rayjob"] == {"namespace": "ml", "name": "exp1", "uid": uid}
+
+
+@pytest.mark.parametrize("how", ["deleted", "redeployed"])
+def test_holder_whose_rayjob_is_gone_is_taken_over_at_once(how, kube, tmp_path, caplog):
+    uid = kube.add_rayjob(RAYJOB)["metadata"]["uid"]
+    rayjob_lease(tmp_path, uid)
+    with pytest.raises(LeaseHeld):  # its RayJob exists: the driver may be alive
         Lease(tmp_path, 600).acquire()
-    kube.pods.pop(("ml", "exp1-head-abcde"))  # deleted (helm uninstall, preemption)
+    kube.rayjobs.pop(("ml", "exp1"))  # helm uninstall, kubectl delete
+    if how == "redeployed":
+        assert kube.add_rayjob(RAYJOB)["metadata"]["uid"] != uid
     with caplog.at_level(logging.WARNING, logger="finetune"):
         Lease(tmp_path, 600).acquire().release()
-    assert "ran in pod ml/exp1-head-abcde, which no longer exists" in caplog.text
-
-
-def test_holder_pod_that_has_ended_is_taken_over_at_once(kube, tmp_path):
-    kube.add_pod("ml", "exp1-head-fghij", {}, ["ray-head"], {}, phase="Failed")
-    pod_lease(tmp_path, "exp1-head-fghij")
-    Lease(tmp_path, 600).acquire().release()
+    expected = "which no longer exists" if how == "deleted" else "which was deleted (the RayJob of that name is a new"
+    assert f"ran under RayJob ml/exp1, {expected}" in caplog.text, caplog.text
 
 
 def test_without_api_access_the_timeout_decides(kube, tmp_path, caplog):
     kube.mode = "forbidden"
-    pod_lease(tmp_path, "exp1-head-klmno")
+    rayjob_lease(tmp_path, "some-uid")
     with caplog.at_level(logging.INFO, logger="finetune"), pytest.raises(LeaseHeld):
         Lease(tmp_path, 600).acquire()
     assert "forbidden" in caplog.text and "expires by timeout" in caplog.text

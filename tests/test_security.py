@@ -38,17 +38,16 @@ def allowed(rules: list[dict], verb: str, group: str, resource: str, name: str |
 
 
 @pytest.mark.parametrize("values", VALUE_SETS)
-def test_role_is_patch_of_the_own_rayjob_only(values):
+def test_role_is_get_and_patch_of_the_own_rayjob_only(values):
     objects = render(values)
     name = one(objects, "RayJob")["metadata"]["name"]
     role = one(objects, "Role")
     assert role["rules"] == [{"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [name],
-                              "verbs": ["patch"]},
-                             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]  # the lease check
+                              "verbs": ["get", "patch"]}]  # progress (patch) and the lease's RayJob check (get)
     rules = role["rules"]
-    assert allowed(rules, "patch", "ray.io", "rayjobs", name)
-    assert allowed(rules, "get", "", "pods", "exp1-head-abcde")
-    for verb, resource, other in [("patch", "rayjobs", "someone-elses-job"), ("get", "rayjobs", name),
+    assert allowed(rules, "patch", "ray.io", "rayjobs", name) and allowed(rules, "get", "ray.io", "rayjobs", name)
+    for verb, resource, other in [("patch", "rayjobs", "someone-elses-job"), ("get", "rayjobs", "someone-elses-job"),
+                                  ("get", "pods", "exp1-head-abcde"),
                                   ("patch", "rayjobs/status", name), ("update", "rayjobs", name),
                                   ("list", "rayjobs", None), ("create", "rayjobs", None),
                                   ("get", "secrets", name), ("patch", "rayclusters", name), ("list", "pods", None),

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from app import kube
+from app import kube, lease
 from app.progress import ProgressPublisher
 from e2e import support
 from e2e.controlplane import kubeconfig
@@ -52,9 +52,17 @@ def test_the_charts_serviceaccount_may_publish_progress_and_nothing_else(cluster
     other.update({"step": 1}, force=True)
     other.close()
     assert other.published == 0 and progress_of(cluster, ns, "exp-b") is None
-    for args in (["get", "rayjob", "exp-a"], ["delete", "rayjob", "exp-a"], ["get", "secrets"], ["get", "pods"]):
+    for args in (["get", "rayjob", "exp-b"], ["delete", "rayjob", "exp-a"], ["get", "rayjobs"], ["get", "secrets"],
+                 ["get", "pods"], ["get", "pod", "exp-a-head"]):
         out = cluster.kubectl(*args, "-n", ns, kubeconfig=cfg, check=False)
         assert out.returncode != 0 and "Forbidden" in out.stderr, (args, out.stderr)
+    # Allowed: the driver's lease records its own RayJob's uid, read by name with this account.
+    monkeypatch.setenv("FINETUNE_RAYJOB_NAME", "exp-a")
+    monkeypatch.setenv("FINETUNE_RAYJOB_NAMESPACE", ns)
+    uid = support.get(cluster, "rayjob", ns, "exp-a")["metadata"]["uid"]
+    assert lease.own_rayjob() == {"namespace": ns, "name": "exp-a", "uid": uid}
+    monkeypatch.setenv("FINETUNE_RAYJOB_NAME", "exp-b")
+    assert lease.own_rayjob() is None  # another experiment's RayJob: forbidden, so no early takeover
 
     # The operations commands say so, in one line naming the action, and exit 3 (the API cannot be asked).
     for cmd in (["status", "exp-a"], ["logs", "exp-a"], ["resume", "exp-a", "--force"]):

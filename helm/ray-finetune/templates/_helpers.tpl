@@ -201,8 +201,9 @@ training.* as the chart's checks read it: the values over the app's defaults of 
 
 {{/*
 Whether the head pod mounts a ServiceAccount token ("true"/"false"): only when something on it calls the API.
-KubeRay's autoscaler sidecar does; so does the driver, which asks whether the pod of a stale lease's holder
-still exists (app/lease.py), whenever the chart creates the account and its Role.
+KubeRay's autoscaler sidecar does; so does the driver, which reads its own RayJob's uid for the experiment lease
+and whether the RayJob of a stale lease's holder still exists (app/lease.py), whenever the chart creates the
+account and its Role.
 */}}
 {{- define "ray-finetune.headToken" -}}
 {{- or .Values.autoscaling.enabled (and .Values.progressReporting.enabled .Values.progressReporting.rbac.create) -}}
