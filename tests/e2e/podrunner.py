@@ -887,7 +887,7 @@ class PodRunner:
         return str(math.ceil(quantity(value) / divisor))
 
     def _refresh_dns(self, listed: list[dict]) -> None:
-        records = {f"kubernetes.default.svc.cluster.local": API_SERVICE_IP}
+        records = {"kubernetes.default.svc.cluster.local": API_SERVICE_IP}
         for ns in self.namespaces:
             for name, ip in self._service_ips(ns, listed).items():
                 records[f"{name}.{ns}.svc.cluster.local"] = ip
