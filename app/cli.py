@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from app import config as config_mod, logs, ops
+from app import config as config_mod, logs, ops, preemption
 from app.config import ConfigError, Problem
 from app.lease import LeaseHeld
 
@@ -69,6 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=".local/tiny-gpt2", help="model folder to create")
     p.add_argument("--corpus", default="examples/data/tiny-news.jsonl", help="corpus file (created if missing)")
     _add_verbose(p)
+
+    p = sub.add_parser("preempt", help="ask the run of an experiment to save its current step and stop",
+                       description="Ask the live run of an experiment folder to finish its optimizer step in "
+                                   "flight, write a checkpoint and stop (exit 4), as a SIGTERM to the driver does. "
+                                   "The chart runs this as the pods' preStop hook, before the kubelet's SIGTERM.")
+    p.add_argument("experiment_dir", help="the experiment folder, <storage>/<experiment>")
+    p.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                   help="then wait up to this long for the run to save and let go of its lease (default: do not wait)")
+    _add_verbose(p)
     ops.register(sub)  # status, logs, resume: operate a RayJob through the Kubernetes API
     return parser
 
@@ -79,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ops.COMMANDS:
         return ops.main(args)
     try:
-        return {"validate": cmd_validate, "train": cmd_train, "export": cmd_export, "tiny": cmd_tiny}[args.command](args)
+        commands = {"validate": cmd_validate, "train": cmd_train, "export": cmd_export, "tiny": cmd_tiny,
+                    "preempt": cmd_preempt}
+        return commands[args.command](args)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
@@ -142,11 +153,41 @@ def cmd_train(args) -> int:
     if (final / "config.json").exists():
         share_like_the_rest(final)
     metrics = result.metrics or {}
+    if metrics.get("preempted"):
+        print(f"preempted at step {metrics.get('global_step')}, checkpoint written in {metrics.get('save_s')} s "
+              f"({metrics.get('checkpoint')}); deploy again as {cfg.experiment.name} to resume at step "
+              f"{(metrics.get('global_step') or 0) + 1}", file=sys.stderr)
+        return preemption.EXIT_PREEMPTED
     print(f"done: {cfg.experiment.name} at global step {metrics.get('global_step')}, checkpoint {metrics.get('checkpoint')}")
     if (final / "model.safetensors").exists() or any(final.glob("*.safetensors")):
         print(f"final model: {final}")
         if cfg.scaling.use_gpu is False:
             print(f"sample: {sample_generation(final)!r}")
+    return 0
+
+
+def cmd_preempt(args) -> int:
+    """Exit 0 in every case a preStop hook can meet (no run, a run that stops in time, or one that does not):
+    it says which, and the kubelet goes on either way."""
+    import socket
+
+    from app.lease import Lease
+
+    run_dir = Path(args.experiment_dir).expanduser().absolute()
+    holder, _ = Lease(run_dir, 1).read()
+    if not holder:
+        print(f"no run holds {run_dir}: nothing to preempt")
+        return 0
+    token = holder.get("token")
+    preemption.write_notice(run_dir, token, f"finetune preempt on {socket.gethostname()}")
+    print(f"asked the run holding {run_dir} ({holder.get('host')} pid {holder.get('pid')}) to save its step in "
+          "flight and stop", flush=True)
+    if args.wait <= 0:
+        return 0
+    if preemption.wait_for_release(run_dir, token, args.wait):
+        print(f"the run stopped and released {run_dir}")
+    else:
+        print(f"the run still holds {run_dir} after {args.wait:.0f} s; it resumes from its last complete checkpoint")
     return 0
 
 

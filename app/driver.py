@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import data, ds_config, logs
+from app import data, ds_config, logs, preemption
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
 from app.model import check_seq_length, load_model_config, model_source
@@ -142,6 +142,7 @@ def run(cfg: TrainingConfig, ds: dict[str, Any]):
 
         for warning in repair_ray_snapshot(cfg.experiment_dir):
             log.warning(f"WARNING: {warning}")
+        preemption.clear(cfg.experiment_dir)  # a notice left by the run before is not for this one
         record_ds_config(cfg, ds)
         return _fit(cfg, ds, lease.token)
 
@@ -177,6 +178,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
             log.info("starting a local Ray cluster (about 10-20 s)")
             ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
         logs.after_ray_init()
+    preemption.on_driver_sigterm(cfg.experiment_dir, lease_token)  # after ray.init, which sets its own handler
     marks["ray_started"] = time.time()
     s = cfg.scaling
     log.info(f"starting {s.num_workers} training workers (about 30 s: each loads torch, DeepSpeed, the model and data)")

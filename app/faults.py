@@ -18,6 +18,9 @@ FINETUNE_FAULT_RAISE=PHASE:RANK[:STEP]
 FINETUNE_FAULT_NAN_FROM_STEP=N
     From global step N on, every rank's loss is multiplied by NaN before backward, so gradients and then the
     weights become NaN, as a diverging run's would.
+FINETUNE_FAULT_SIGTERM_AT_STEP=N[:RANK[:COUNT]]
+    Right after optimizer step N, rank RANK (default: the last) sends its own process COUNT real SIGTERMs
+    (default 1; 2 is a second SIGTERM, which stops the rank at once), once per experiment, as a node drain would.
 
 These variables travel to the workers (driver.PASSTHROUGH_PREFIXES), on a cluster too.
 """
@@ -37,6 +40,7 @@ KILL_AT_STEP = "FINETUNE_FAULT_KILL_AT_STEP"
 RAISE = "FINETUNE_FAULT_RAISE"
 NAN_FROM_STEP = "FINETUNE_FAULT_NAN_FROM_STEP"
 SAVE_PAUSE = "FINETUNE_FAULT_SAVE_PAUSE"
+SIGTERM_AT_STEP = "FINETUNE_FAULT_SIGTERM_AT_STEP"
 PHASES = ("before_shards", "mid_shards", "before_state", "before_report")
 
 
@@ -64,6 +68,30 @@ def maybe_kill(step: int, rank: int, world: int, run_dir: Path) -> None:
     log.warning(f"FAULT INJECTION: rank {rank} (pid {os.getpid()}) kills itself with SIGKILL after step {step}")
     logging.shutdown()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_sigterm(step: int, rank: int, world: int, run_dir: Path) -> None:
+    spec = os.environ.get(SIGTERM_AT_STEP)
+    if not spec:
+        return
+    parts = [int(p) for p in spec.split(":")]
+    at, who, count = parts[0], parts[1] if len(parts) > 1 else world - 1, parts[2] if len(parts) > 2 else 1
+    if step != at or rank != who:
+        return
+    try:
+        os.close(os.open(Path(run_dir) / f".fault-sigterm-step-{step}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    from app import preemption
+
+    log.warning(f"FAULT INJECTION: rank {rank} (pid {os.getpid()}) sends itself {count} SIGTERM after step {step}")
+    for _ in range(count):
+        os.kill(os.getpid(), signal.SIGTERM)
+        # The handler runs in the main thread; wait for it, so the drill lands on this step.
+        deadline = time.monotonic() + 10
+        while not preemption.requested_in_this_process() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
 
 
 def maybe_raise(phase: str, rank: int, step: int | None = None) -> None:

@@ -207,6 +207,18 @@ def kubernetes_properties() -> dict[str, Any]:
         "podSecurityContext": FREE_OBJECT,
         "securityContext": FREE_OBJECT,
         "progressReporting": _obj({"enabled": BOOL, "rbac": _obj({"create": BOOL})}),
+        "preemption": _obj(
+            {
+                "enabled": BOOL,
+                "gracePeriodSeconds": {
+                    "type": "integer",
+                    "minimum": 30,
+                    "maximum": 86400,
+                    "description": "The Ray pods' terminationGracePeriodSeconds: one optimizer step plus one "
+                    "checkpoint write, with a margin.",
+                },
+            }
+        ),
     }
 
 

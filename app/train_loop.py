@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, data, faults, logs, opbuild
+from app import checkpoint, data, faults, logs, opbuild, preemption
 from app.config import TrainConfig, TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
@@ -101,6 +101,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     window = Window(engine.device)
     guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate)
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
+    lease_token = loop_config.get("lease_token")
+    preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
+    saves = []  # seconds each save of this attempt took
 
     def save(step: int, epoch: int, step_in_epoch: int, extra: dict[str, Any]) -> None:
         state = {
@@ -114,6 +117,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             "experiment": cfg.experiment.name,
         }
         path = checkpoint.checkpoint_dir(run_dir, step)
+        started = time.perf_counter()
         checkpoint.save(
             engine,
             path,
@@ -121,10 +125,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             rank,
             dist.barrier,
             lambda p: (model.config.save_pretrained(p), tokenizer.save_pretrained(p)),
-            lease_token=loop_config.get("lease_token"),
+            lease_token=lease_token,
         )
+        saves.append(round(time.perf_counter() - started, 2))
+        if rank == 0 and len(saves) == 1 and (note := preemption.grace_note(saves[0])):
+            (log.info if note[0] else log.warning)(note[1] if note[0] else f"WARNING: {note[1]}")
         ray.train.report(
-            {**extra, **state, "checkpoint": str(path)},
+            {**extra, **state, "checkpoint": str(path), "save_s": saves[-1]},
             checkpoint=ray.train.Checkpoint.from_directory(str(path)),
             checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
         )
@@ -133,6 +140,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     engine.train()
     last: dict[str, Any] = {}
+    preempted = False
     for epoch in range(position["epoch"], t.epochs):
         if step >= policy.total_steps:
             break
@@ -144,19 +152,23 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         ):
             loss, tokens = train_step(engine, micro_batches, step + 1)
             step += 1
+            faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
             guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
             window.add(loss, tokens)
             if step % t.log_every_steps == 0 or step == policy.total_steps:
                 last = {"loss": window.report(engine, step, epoch, t, world, metrics)}
             if t.eval_every_steps and step % t.eval_every_steps == 0 and eval_set is not None:
                 last["eval_loss"] = evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
-            if guard.healthy and policy.due(step, step_in_epoch):  # never save weights a NaN step touched
-                save(step, *policy.position(epoch, step_in_epoch), last)
+            # Every rank: asked to stop (a SIGTERM, the notice file)? Then all of them save this step and stop.
+            preempted = preempt.agreed() and step < policy.total_steps
+            # Never save weights a NaN step touched.
+            if guard.healthy and (policy.due(step, step_in_epoch) or preempted):
+                save(step, *policy.position(epoch, step_in_epoch), {**last, "preempted": preempted})
             step_ended(step)
-            if policy.stop(step):
+            if preempted or policy.stop(step):
                 break
-        if policy.stop(step):
-            break  # the last step, or train.stop_after_steps (a drill's preemption): no further epoch
+        if preempted or policy.stop(step):
+            break  # the last step, train.stop_after_steps (a drill's preemption) or a preemption: no further epoch
 
     finished = step >= policy.total_steps
     evaluated_last = t.eval_every_steps and step % t.eval_every_steps == 0
@@ -167,6 +179,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     if finished and rank == 0 and cfg.checkpoint.export_final:
         final = checkpoint.export(checkpoint.checkpoint_dir(run_dir, step), run_dir / "final", t.precision)
         log.info(f"exported Hugging Face model to {final}")
+    elif preempted and rank == 0:
+        written = f"checkpoint written in {saves[-1]:.1f} s" if guard.healthy else "no checkpoint (non-finite step)"
+        log.warning(f"preempted at step {step}, {written}; deploy again as {cfg.experiment.name} to resume")
     elif not finished and rank == 0:
         log.info(f"stopped at step {step} of {policy.total_steps}; deploy again as {cfg.experiment.name} to resume")
 

@@ -762,3 +762,77 @@ class _captured:
 
     def __exit__(self, *exc):
         sys.stdout, sys.stderr = self.saved
+
+
+# --- 8. preemption: SIGTERM saves the step in flight ----------------------------------------------------------
+
+
+def preempted_line(out: str) -> re.Match:
+    m = re.search(r"preempted at step (\d+), checkpoint written in ([\d.]+) s", out)
+    assert m, out[-6000:]
+    return m
+
+
+def test_sigterm_to_a_rank_saves_the_step_in_flight_and_the_redeploy_redoes_nothing(baseline, tmp_path, tiny_model):
+    """A real SIGTERM to one rank after a random step N: every rank finishes step N, the run writes one checkpoint
+    of it (between the periodic ones, or on one), releases the lease and exits 4 with the preempted line; the
+    redeploy resumes at N + 1 with nothing redone, and its losses are the uninterrupted run's."""
+    import random
+
+    from app import checkpoint
+
+    n = random.randint(1, 7)
+    out = train(tmp_path, "pre", tiny_model, env={"FINETUNE_FAULT_SIGTERM_AT_STEP": f"{n}:1"}, expect=4)
+    assert f"sends itself 1 SIGTERM after step {n}" in out, (n, out[-6000:])
+    assert int(preempted_line(out)[1]) == n, (n, out[-6000:])
+    run_dir = tmp_path / "pre"
+    assert checkpoint.newest_usable(run_dir) == checkpoint.checkpoint_dir(run_dir, n), n
+    assert not (run_dir / ".lease").exists(), "the preempted run kept its lease"
+    assert max(losses(run_dir)) == n, (n, losses(run_dir))
+
+    out = train(tmp_path, "pre", tiny_model)
+    m = resumed_line(out)
+    assert Path(m[1]).name == f"step-{n:08d}" and int(m[3]) == n and m[4].startswith("no step is redone"), (n, m[0])
+    full, got = losses(baseline), losses(run_dir)
+    assert sorted(got) == list(range(1, 9)), (n, got)
+    assert max(abs(full[k] - got[k]) for k in full) <= EXACT, (n, full, got)
+
+
+def test_sigterm_to_the_driver_stops_the_run_with_a_checkpoint(tmp_path, tiny_model):
+    """`kill -TERM` of `finetune train` (as `ray job stop` or a terminal does): the notice reaches every rank,
+    which save the step in flight; exit 4, the lease released, the notice cleared by the next deploy."""
+    from app import checkpoint
+
+    log = tmp_path / "drv.log"
+    proc = start(tmp_path, "drv", tiny_model, log)
+    run_dir = tmp_path / "drv"
+    try:
+        wait_until(lambda: (losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}), proc, log,
+                   what="the first step")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=240)
+    finally:
+        left = kill_run(proc)
+    out = log.read_text(errors="replace")
+    assert proc.returncode == 4, (proc.returncode, out[-6000:])
+    n = int(preempted_line(out)[1])
+    assert checkpoint.newest_usable(run_dir) == checkpoint.checkpoint_dir(run_dir, n) and n < 8, out[-6000:]
+    assert not (run_dir / ".lease").exists() and left == [], left
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_falls_back_to_the_last_complete_checkpoint(baseline, tmp_path, tiny_model):
+    """Two SIGTERMs to one rank: Ray's handler takes the second and the rank exits (the run fails, exit 1) whether
+    or not the save of step 5 got done first; the redeploy resumes from the newest complete checkpoint (step 4
+    or 5, never a partial one) and ends with the uninterrupted run's losses."""
+    from app import checkpoint
+
+    out = train(tmp_path, "twice", tiny_model, env={"FINETUNE_FAULT_SIGTERM_AT_STEP": "5:1:2"}, expect=1)
+    assert "sends itself 2 SIGTERM after step 5" in out
+    run_dir = tmp_path / "twice"
+    newest = checkpoint.newest_usable(run_dir)
+    assert checkpoint.step_of(newest) in (4, 5), newest
+    out = train(tmp_path, "twice", tiny_model)
+    assert Path(resumed_line(out)[1]) == newest
+    full, got = losses(baseline), losses(run_dir)
+    assert max(abs(full[k] - got[k]) for k in full) <= EXACT, (full, got)

@@ -27,6 +27,11 @@ which is also training.experiment.storage_path) and the config read-only.
 - name: RAY_AUTH_MODE
   value: disabled
 {{- end }}
+{{- if .Values.preemption.enabled }}
+# The grace period the pods get: the app says at its first checkpoint whether a save fits in it.
+- name: FINETUNE_GRACE_PERIOD_S
+  value: {{ .Values.preemption.gracePeriodSeconds | quote }}
+{{- end }}
 {{- range $k, $v := .Values.ncclEnv }}
 - name: {{ $k }}
   value: {{ toString $v | quote }}
@@ -72,6 +77,31 @@ layer without bound). It is named ray-logs, as the one KubeRay adds for the auto
   mountPath: /tmp/ray
 {{- with .extra }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Preemption (values: preemption): the pod's grace period, and the container's preStop hook, which the kubelet
+runs before its SIGTERM (the container's PID 1, a shell running `ray start --block`, would not pass a SIGTERM
+on): it asks the run to save its step in flight and stop, and waits for that within the grace period.
+*/}}
+{{- define "ray-finetune.gracePeriod" -}}
+{{- if .Values.preemption.enabled }}
+terminationGracePeriodSeconds: {{ int .Values.preemption.gracePeriodSeconds }}
+{{- end }}
+{{- end }}
+
+{{- define "ray-finetune.preStop" -}}
+{{- if .Values.preemption.enabled }}
+lifecycle:
+  preStop:
+    exec:
+      command:
+        - finetune
+        - preempt
+        - {{ printf "%s/%s" (include "ray-finetune.mountPath" . | trimSuffix "/") (include "ray-finetune.experiment" .) | quote }}
+        - --wait
+        - {{ sub (int .Values.preemption.gracePeriodSeconds) 5 | quote }}
 {{- end }}
 {{- end }}
 
@@ -146,6 +176,7 @@ headGroupSpec:
       serviceAccountName: {{ . }}
       {{- end }}
       automountServiceAccountToken: {{ include "ray-finetune.headToken" . }}
+      {{- with include "ray-finetune.gracePeriod" . | trim }}{{ . | nindent 6 }}{{ end }}
       {{- with .Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -159,6 +190,7 @@ headGroupSpec:
           imagePullPolicy: {{ .Values.image.pullPolicy }}
           securityContext:
             {{- include "ray-finetune.securityContext" (dict "base" .Values.securityContext "group" $h.securityContext) | nindent 12 }}
+          {{- with include "ray-finetune.preStop" . | trim }}{{ . | nindent 10 }}{{ end }}
           ports:
             - containerPort: 6379
               name: gcs-server
@@ -223,6 +255,7 @@ workerGroupSpecs:
         serviceAccountName: {{ . }}
         {{- end }}
         automountServiceAccountToken: {{ $root.Values.progressReporting.enabled }}
+        {{- with include "ray-finetune.gracePeriod" $root | trim }}{{ . | nindent 8 }}{{ end }}
         {{- with $root.Values.imagePullSecrets }}
         imagePullSecrets:
           {{- toYaml . | nindent 10 }}
@@ -237,6 +270,7 @@ workerGroupSpecs:
             # KubeRay's wait-gcs-ready init container copies this securityContext.
             securityContext:
               {{- include "ray-finetune.securityContext" (dict "base" $root.Values.securityContext "group" $g.securityContext) | nindent 14 }}
+            {{- with include "ray-finetune.preStop" $root | trim }}{{ . | nindent 12 }}{{ end }}
             env:
               {{- include "ray-finetune.commonEnv" $root | nindent 14 }}
               {{- with $g.env }}

@@ -1,0 +1,90 @@
+"""Preemption without a cluster: the notice, `finetune preempt` (the pods' preStop hook), the grace-period note,
+Ray's SIGTERM route in its pinned version, and the chart's grace period and hook. The real runs (SIGTERM to a
+rank, to the driver, twice) are in tests/test_reliability.py, section 8."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+import time
+
+import pytest
+
+from app import preemption
+from app.lease import Lease
+from conftest import run_cli
+from k8s_support import render
+
+
+def test_notice_is_for_one_run_and_cleared_by_the_next(tmp_path):
+    assert not preemption.notice_for(tmp_path, "a")
+    preemption.write_notice(tmp_path, "a", "test")
+    assert preemption.notice_for(tmp_path, "a") and not preemption.notice_for(tmp_path, "b")
+    preemption.write_notice(tmp_path, None, "test")  # no token: whichever run holds the folder
+    assert preemption.notice_for(tmp_path, "b")
+    (tmp_path / ".preempt").write_text("{torn")
+    assert preemption.notice_for(tmp_path, "b")  # unreadable: stop with a checkpoint rather than not at all
+    preemption.clear(tmp_path)
+    assert not preemption.notice_for(tmp_path, "a") and not list(tmp_path.iterdir())
+
+
+def test_preempt_command_without_a_run(tmp_path):
+    out = run_cli("preempt", str(tmp_path), "--wait", "5", timeout=60)
+    assert out.returncode == 0 and "nothing to preempt" in out.stdout, out.stdout + out.stderr
+    assert not (tmp_path / ".preempt").exists()
+
+
+def test_preempt_command_asks_the_holder_and_waits_for_its_release(tmp_path):
+    lease = Lease(tmp_path, 600, on_lost=lambda *_: None).acquire()
+    released = threading.Timer(3, lease.release)
+    released.start()
+    t0 = time.monotonic()
+    out = run_cli("preempt", str(tmp_path), "--wait", "60", timeout=120)
+    assert out.returncode == 0 and "the run stopped and released" in out.stdout, out.stdout + out.stderr
+    assert 2 < time.monotonic() - t0 < 60
+    assert json.loads((tmp_path / ".preempt").read_text())["token"] == lease.token
+    lease = Lease(tmp_path, 600, on_lost=lambda *_: None).acquire()
+    out = run_cli("preempt", str(tmp_path), "--wait", "1", timeout=60)
+    assert out.returncode == 0 and "still holds" in out.stdout, out.stdout  # the kubelet goes on regardless
+    lease.release()
+
+
+def test_grace_note(monkeypatch):
+    monkeypatch.delenv(preemption.GRACE_ENV, raising=False)
+    assert preemption.grace_note(10) is None  # not on Kubernetes: nothing to compare with
+    monkeypatch.setenv(preemption.GRACE_ENV, "300")
+    fits, text = preemption.grace_note(9.5)
+    assert fits and "9.5 s" in text and "300 s grace period" in text
+    fits, text = preemption.grace_note(200)
+    assert not fits and "preemption.gracePeriodSeconds to at least 800" in text
+
+
+def test_rays_worker_sigterm_handler_is_the_one_the_route_takes():
+    """The pinned Ray's worker handler calls raise_sys_exit_with_custom_error_message (a module global, looked up
+    at each call) with a message naming SIGTERM; a Ray bump that changes this fails here."""
+    import ray._private.worker as ray_worker
+
+    source = inspect.getsource(ray_worker.Worker.main_loop)
+    assert "def sigterm_handler" in source and "raise_sys_exit_with_custom_error_message(" in source
+    assert "SIGTERM" in source and callable(ray_worker.raise_sys_exit_with_custom_error_message)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_chart_sets_the_grace_period_and_the_prestop_hook(enabled):
+    objects = render(sets=[f"preemption.enabled={str(enabled).lower()}", "preemption.gracePeriodSeconds=120"])
+    job = next(o for o in objects if o["kind"] == "RayJob")
+    spec = job["spec"]["rayClusterSpec"]
+    pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
+    experiment = job["metadata"]["name"]
+    for pod in pods:
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        if enabled:
+            assert pod["terminationGracePeriodSeconds"] == 120
+            command = container["lifecycle"]["preStop"]["exec"]["command"]
+            assert command[:2] == ["finetune", "preempt"] and command[2].endswith(f"/{experiment}"), command
+            assert command[3:] == ["--wait", "115"] and env["FINETUNE_GRACE_PERIOD_S"] == "120"
+        else:
+            assert "terminationGracePeriodSeconds" not in pod and "lifecycle" not in container
+            assert "FINETUNE_GRACE_PERIOD_S" not in env
