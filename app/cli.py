@@ -101,7 +101,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _load(args) -> config_mod.TrainingConfig:
-    cfg = config_mod.resolve(config_mod.load(args.config, args.overrides))
+    doc = config_mod.load_document(args.config, args.overrides)
+    try:
+        cfg = config_mod.parse(doc)
+    except ConfigError as exc:
+        raise ConfigError(exc.problems + _more_problems(doc, exc)) from None
+    return _absolute(config_mod.resolve(cfg))
+
+
+def _more_problems(doc: dict, error: ConfigError) -> list[Problem]:
+    """What the data, storage and model checks find in the rest of a config with invalid keys: every problem at
+    once. Only problems of other keys (a key left at its default is not the user's)."""
+    from app import driver
+
+    rest = config_mod.without_invalid(doc, error)
+    if rest is None:
+        return []
+    rest = _absolute(config_mod.resolve(rest))
+    found = driver.preflight_problems(rest) + driver.read_model_config(rest, True)[1]
+    named = {p.field for p in error.problems}
+    return [p for p in found if p.field not in named]
+
+
+def _absolute(cfg: config_mod.TrainingConfig) -> config_mod.TrainingConfig:
     cfg.experiment.storage_path = str(Path(cfg.experiment.storage_path).expanduser().absolute())
     # Workers run in other folders: local paths are made absolute here, where they were written.
     for section, key in (("model", "name_or_path"), ("model", "tokenizer"), ("data", "dataset")):

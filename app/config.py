@@ -379,6 +379,25 @@ def parse(doc: dict[str, Any]) -> TrainingConfig:
                                    "remove self-referencing YAML anchors (&a ... *a)")]) from None
 
 
+def without_invalid(doc: dict[str, Any], error: ConfigError) -> TrainingConfig | None:
+    """The config with every key that `error` names left at its default, or None when that does not validate
+    either: what the checks that need a whole config (data, storage, model) still look at, so that one run of
+    `validate` reports every problem at once rather than in stages."""
+    doc = copy.deepcopy(doc)
+    for problem in error.problems:
+        *parents, leaf = problem.field.split(".")
+        node = doc
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            return None  # a problem of the document's shape, or of a rule across keys: nothing to leave out
+        del node[leaf]
+    try:
+        return parse(doc)
+    except ConfigError:
+        return None
+
+
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in top.items():

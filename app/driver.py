@@ -112,17 +112,22 @@ def prepare(cfg: TrainingConfig, offline: bool = True) -> tuple[TrainingConfig, 
 def check(cfg: TrainingConfig, offline: bool = True, problems: list[Problem] | None = None) -> tuple[dict[str, Any], str | None]:
     """Every check that can run before the workers start, after `problems` already found; raises ConfigError
     with all of them. Reads `cfg`, never changes it."""
-    problems = list(problems or [])
-    problems += ds_config.check(cfg) + plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
-    try:
-        problems += data.check_source(cfg.data)
-    except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
-        problems.append(Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files"))
+    problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg)
     facts, model_problems, note = read_model_config(cfg, offline)
     problems += model_problems + compile_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return ds_config.build(cfg, **facts), note
+
+
+def preflight_problems(cfg: TrainingConfig) -> list[Problem]:
+    """The data and storage checks, which need no model and no DeepSpeed config."""
+    problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
+    try:
+        problems += data.check_source(cfg.data)
+    except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
+        problems.append(Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files"))
+    return problems
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:

@@ -228,3 +228,21 @@ def test_short_and_very_long_documents_give_finite_losses(packing, tmp_path, tin
         for row in ds.select(range(0, len(ds), max(1, len(ds) // 64))):
             loss = model(**{k: v[None] for k, v in row.items()}).loss
             assert math.isfinite(loss.item())
+
+
+def test_every_problem_is_reported_at_once(tmp_path, tiny_model, capsys, monkeypatch):
+    """An invalid value does not hide the problems of the rest: a bad learning rate, a missing data file and a
+    missing model folder come out together, one line each, from validate and train."""
+    monkeypatch.chdir(tmp_path)
+    args = []
+    for s in [f"experiment.storage_path={tmp_path / 'storage'}", "experiment.name=many", "scaling.use_gpu=false",
+              "train.learning_rate=-1", "data.dataset=data/missing.jsonl", f"model.name_or_path={tmp_path / 'nomodel'}",
+              "data.seq_length=32"]:
+        args += ["--set", s]
+    for command in ("validate", "train"):
+        assert main([command, *args]) == 2, command
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+        fields = [line.split()[1].rstrip(":") for line in lines]
+        assert fields[0] == "train.learning_rate" and {"data.dataset", "model.name_or_path"} <= set(fields), lines
+        assert len(lines) == len(set(fields)) == 3, lines
+    assert not (tmp_path / "storage").exists()
