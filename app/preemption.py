@@ -35,6 +35,7 @@ NOTICE = ".preempt"
 GRACE_ENV = "FINETUNE_GRACE_PERIOD_S"  # the pods' terminationGracePeriodSeconds, set by the chart
 
 _requested = threading.Event()  # this process got its first SIGTERM
+_loop_thread: threading.Thread | None = None  # the training loop's thread: SIGTERMs are routed while it runs
 
 
 def notice_path(run_dir: Path) -> Path:
@@ -78,6 +79,8 @@ class RankWatch:
         # On GPUs the default group is NCCL; the flag goes through a CPU (gloo) group so that asking costs no sync.
         self.group = dist.new_group(backend="gloo") if gpu and world > 1 else None
         self.flag = torch.zeros(1, dtype=torch.int32)
+        global _loop_thread
+        _loop_thread = threading.current_thread()
         _route_worker_sigterm()
 
     def agreed(self) -> bool:
@@ -94,8 +97,9 @@ class RankWatch:
 
 def _route_worker_sigterm() -> None:
     """In a Ray worker, Ray's SIGTERM handler (installed in the main thread, which the training loop does not run
-    in) calls `ray._private.worker.raise_sys_exit_with_custom_error_message`; the first call of a SIGTERM becomes
-    this process's preemption request instead. Checked against the pinned Ray in tests/test_checkpoint.py."""
+    in) calls `ray._private.worker.raise_sys_exit_with_custom_error_message`; the first call of a SIGTERM while the
+    training loop runs becomes this process's preemption request instead. Once the loop has ended (returned or
+    failed) Ray's SIGTERMs stop the worker as before. Checked against the pinned Ray in tests/test_preemption.py."""
     try:
         import ray._private.worker as ray_worker
     except ImportError:
@@ -105,7 +109,8 @@ def _route_worker_sigterm() -> None:
         return
 
     def first_sigterm_preempts(message: str, exit_code: int = 1):
-        if "SIGTERM" in message and not _requested.is_set():
+        training = _loop_thread is not None and _loop_thread.is_alive()
+        if "SIGTERM" in message and training and not _requested.is_set():
             _requested.set()
             log.warning("SIGTERM: this rank finishes the step in flight, then the run saves a checkpoint and stops "
                         "(a second SIGTERM stops this rank at once)")

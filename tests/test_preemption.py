@@ -88,3 +88,29 @@ def test_chart_sets_the_grace_period_and_the_prestop_hook(enabled):
         else:
             assert "terminationGracePeriodSeconds" not in pod and "lifecycle" not in container
             assert "FINETUNE_GRACE_PERIOD_S" not in env
+
+
+def test_the_sigterm_route_holds_only_while_the_loop_runs(monkeypatch):
+    """While the loop's thread runs, a rank's first SIGTERM becomes a preemption request; once the loop has ended
+    (Ray stops finished workers with SIGTERM), Ray's handler exits the worker as before, with no preemption log."""
+    import ray._private.worker as ray_worker
+
+    monkeypatch.setattr(ray_worker, "raise_sys_exit_with_custom_error_message",
+                        ray_worker.raise_sys_exit_with_custom_error_message)  # restored after the test
+    monkeypatch.setattr(preemption, "_requested", threading.Event())
+    stop = threading.Event()
+    loop = threading.Thread(target=stop.wait)
+    loop.start()
+    monkeypatch.setattr(preemption, "_loop_thread", loop)
+    preemption._route_worker_sigterm()
+    handler = ray_worker.raise_sys_exit_with_custom_error_message
+    assert handler("The process receives a SIGTERM.", exit_code=1) is None
+    assert preemption.requested_in_this_process()
+    with pytest.raises(SystemExit):  # a second SIGTERM: Ray's own exit
+        handler("The process receives a SIGTERM.", exit_code=1)
+    monkeypatch.setattr(preemption, "_requested", threading.Event())
+    stop.set()
+    loop.join()
+    with pytest.raises(SystemExit):  # the loop has ended: no request, Ray's exit
+        handler("The process receives a SIGTERM.", exit_code=1)
+    assert not preemption.requested_in_this_process()
