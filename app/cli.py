@@ -150,7 +150,7 @@ def cmd_validate(args) -> int:
 def cmd_train(args) -> int:
     from app import driver
 
-    cfg, ds, note = driver.prepare(_load(args), offline=False)
+    cfg, ds, note = driver.prepare(_load(args), offline=False, with_ray=True)
     if note:
         raise ConfigError([Problem("model.name_or_path", cfg.model.name_or_path, "cannot read the model config",
                                    "check the name, the network or HF_HOME, or use a local folder")])

@@ -13,6 +13,8 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +55,9 @@ def storage_problems(storage_path: str) -> list[Problem]:
     return []
 
 
-def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[dict[str, Any], list[Problem], str | None]:
-    """What the DeepSpeed config's "auto" values need from the model config (ds_config.build's keyword
-    arguments; empty when it cannot be read now), its context check, and a note when it cannot be read."""
+def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Problem], str | None]:
+    """The transformers model config (None when it cannot be read now), its context check, and a note when it
+    cannot be read."""
     source, _ = model_source(cfg.model.name_or_path)
     local = data.is_local(source)
     try:
@@ -67,11 +69,11 @@ def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[dict[str, Any
             mc = load_model_config(cfg.model)
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot read it now"
         if local:
-            return {}, [Problem("model.name_or_path", cfg.model.name_or_path, f"not a model folder ({type(exc).__name__})",
-                                "point it at a from_pretrained folder")], None
-        return {}, [], (f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
+            return None, [Problem("model.name_or_path", cfg.model.name_or_path, f"not a model folder ({type(exc).__name__})",
+                                  "point it at a from_pretrained folder")], None
+        return None, [], (f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
                           "model-shape 'auto' values are checked at run start")
-    return ds_config.model_facts(cfg, mc), check_seq_length(cfg.data.seq_length, mc), None
+    return mc, check_seq_length(cfg.data.seq_length, mc), None
 
 
 def compile_problems(cfg: TrainingConfig) -> list[Problem]:
@@ -96,27 +98,49 @@ def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
     return []
 
 
-def prepare(cfg: TrainingConfig, offline: bool = True) -> tuple[TrainingConfig, dict[str, Any], str | None]:
+def prepare(cfg: TrainingConfig, offline: bool = True, with_ray: bool = False
+            ) -> tuple[TrainingConfig, dict[str, Any], str | None]:
     """The config this run uses (the resume plan applied first: a changed number of workers may change gradient
-    accumulation), its DeepSpeed config and a note; raises ConfigError with every problem found."""
+    accumulation), its DeepSpeed config and a note; raises ConfigError with every problem found. `with_ray`
+    (`finetune train`): Ray starts while the model config is checked (see `check`)."""
     from app.checkpoint import ResumePlan
 
     plan = ResumePlan.read(cfg)
     cfg = plan.apply(cfg)
     if plan.note:
         log.warning(plan.note)
-    ds, note = check(cfg, offline, list(plan.problems))
+    meanwhile = (lambda: _start_ray_unless_finished(cfg)) if with_ray else None
+    ds, note = check(cfg, offline, list(plan.problems), meanwhile=meanwhile)
     return cfg, ds, note
 
 
-def check(cfg: TrainingConfig, offline: bool = True, problems: list[Problem] | None = None) -> tuple[dict[str, Any], str | None]:
+def _start_ray_unless_finished(cfg: TrainingConfig) -> None:
+    """A finished experiment deployed again trains nothing and starts no cluster (cli.finish_again)."""
+    if finished_checkpoint(cfg) is None:
+        start_ray(cfg)
+
+
+def check(cfg: TrainingConfig, offline: bool = True, problems: list[Problem] | None = None,
+          meanwhile: Callable[[], None] | None = None) -> tuple[dict[str, Any], str | None]:
     """Every check that can run before the workers start, after `problems` already found; raises ConfigError
-    with all of them. Reads `cfg`, never changes it."""
+    with all of them. Reads `cfg`, never changes it. `meanwhile` (starting Ray) runs once every check has passed,
+    while the model is counted on the meta device in a thread (the layer sizes of the "auto" ZeRO-3 values): that
+    imports transformers' modelling code, seconds of the start-up that then overlap Ray's (docs/benchmarks.md,
+    runs K-M). An invalid config never starts Ray."""
     problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg)
-    facts, model_problems, note = read_model_config(cfg, offline)
+    mc, model_problems, note = read_model_config(cfg, offline)
     problems += model_problems + compile_problems(cfg)
     if problems:
         raise ConfigError(problems)
+    if mc is None:
+        facts = {}
+    elif meanwhile is None:
+        facts = ds_config.model_facts(cfg, mc)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="model-facts") as pool:
+            counting = pool.submit(ds_config.model_facts, cfg, mc)
+            meanwhile()
+            facts = counting.result()
     return ds_config.build(cfg, **facts), note
 
 
@@ -165,26 +189,56 @@ def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
              f"{cfg.scaling.num_workers} workers), {cfg.train.precision}; every value in {path}")
 
 
-def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
+_ray_marks: dict[str, float] = {}  # wall-clock "driver" (Ray asked for) and "ray_started", for the breakdown
+
+
+def start_ray(cfg: TrainingConfig) -> None:
+    """Connect to the Ray cluster (RAY_ADDRESS: KubeRay's head, or `ray start`) or start a local one; once per
+    process. `finetune train` calls it while the model config is checked (`prepare(with_ray=True)`)."""
     import ray
+
+    if ray.is_initialized():
+        return
+    _ray_marks["driver"] = time.time()
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(**logs.before_ray_init())  # workers get their environment through worker_runtime_env
+    else:
+        os.environ.update(worker_env(cfg))  # the local cluster's workers inherit this process's environment
+        needed = int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1
+        log.info("starting a local Ray cluster (about 10-20 s)")
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
+    logs.after_ray_init()
+    _create_autoscaling_coordinator()
+    _ray_marks["ray_started"] = time.time()
+
+
+def _create_autoscaling_coordinator() -> None:
+    """Ray Train's controller registers the workers' resources with Ray Data's autoscaling coordinator, a
+    detached actor it creates on first use, and waits up to 5 s for the answer before it starts the workers; on
+    a fresh cluster that actor is not up in time (3.2 s lost in run M). Created here, as soon as Ray is up, it
+    starts while the driver and the controller do (0.4 s in run M). Ray internals: if they change shape, the
+    controller creates it itself, as before."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        get_or_create_autoscaling_coordinator()
+    except Exception as exc:  # noqa: BLE001 - only an optimisation
+        log.debug(f"autoscaling coordinator not created ahead: {exc}")
+
+
+def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.train_loop import train_loop
 
     env = worker_env(cfg)
-    marks = {"driver": time.time()}  # start-up breakdown: the loop adds its own marks and logs the whole
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(**logs.before_ray_init())  # a cluster (KubeRay's head, or `ray start`); workers get `env` through worker_runtime_env
-        else:
-            os.environ.update(env)  # the local cluster's workers inherit this process's environment
-            needed = int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1
-            log.info("starting a local Ray cluster (about 10-20 s)")
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
-        logs.after_ray_init()
+    start_ray(cfg)
     preemption.on_driver_sigterm(cfg.experiment_dir, lease_token)  # after ray.init, which sets its own handler
-    marks["ray_started"] = time.time()
+    now = time.time()  # start-up breakdown: the loop adds its own marks and logs the whole
+    marks = {"driver": _ray_marks.get("driver", now), "ray_started": _ray_marks.get("ray_started", now)}
     s = cfg.scaling
     log.info(f"starting {s.num_workers} training workers (about 30 s: each loads torch, DeepSpeed, the model and data)")
     trainer = TorchTrainer(

@@ -7,7 +7,6 @@ model shape; the folder's tokenizer is used unless `model.tokenizer` names anoth
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -123,23 +122,10 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: 
     del keep_alive
     if use_liger(cfg):
         _apply_liger(model, required=cfg.liger_kernels is True)
-    if os.environ.get("FINETUNE_COMPILE_LAYERS") == "1":
-        compile_layers(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
-
-
-def compile_layers(model) -> int:
-    """Experiment (benchmarks only, FINETUNE_COMPILE_LAYERS=1): torch.compile each decoder layer's forward,
-    leaving the loss (Liger's fused cross-entropy) and ZeRO-3's fetch hooks, which run around forward, eager.
-    Returns how many layers were compiled."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward)
-    return len(layers)
 
 
 def use_liger(cfg: ModelConfig) -> bool:

@@ -73,6 +73,24 @@ def test_invalid_config_exits_2_and_writes_nothing(case, storage, tiny_model, ca
     assert snapshot(storage) == before
 
 
+def test_ray_starts_only_for_a_valid_config_while_the_model_is_counted(storage, tiny_model):
+    """`finetune train` starts Ray (check's `meanwhile`) once every check has passed, beside the meta-device count
+    of the model, and gets the same DeepSpeed config as without the overlap; an invalid config never starts it."""
+    from app import driver
+    from app.config import ConfigError
+
+    sets = [f"experiment.storage_path={storage}", "experiment.name=exp1", f"model.name_or_path={tiny_model}",
+            "scaling.use_gpu=false", "data.seq_length=64"]
+    started = []
+    ds_plain, _ = driver.check(load(None, sets))
+    ds_overlap, _ = driver.check(load(None, sets), meanwhile=lambda: started.append("valid"))
+    assert started == ["valid"] and ds_overlap == ds_plain
+    assert ds_overlap["zero_optimization"]["leaf_module"] == {"classes": ["GPT2Block"]}  # counted in the thread
+    with pytest.raises(ConfigError, match="context of 256"):
+        driver.check(load(None, [*sets, "data.seq_length=1024"]), meanwhile=lambda: started.append("invalid"))
+    assert started == ["valid"]
+
+
 def test_console_script_exit_code_and_single_line(storage, tiny_model):
     result = run_cli("train", *base_args(storage, tiny_model), "--set", "deepspeed.zero_optimization.stage=7")
     assert result.returncode == 2
