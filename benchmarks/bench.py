@@ -17,6 +17,7 @@ time_to_first_step_s (process launch to the end of step 1), losses, versions, an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata as md
 import json
 import os
@@ -32,7 +33,8 @@ import yaml
 
 from app.config import ConfigError
 from benchmarks import assets
-from benchmarks.runner import REPO, Case, run_app, run_hf
+from benchmarks.make_weights import weights_folder
+from benchmarks.runner import REPO, Case, bench_env, run_app, run_hf
 
 MFU_FORMULA = ("MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden x seq_length) / peak; "
                "peak = 989 TFLOP/s dense bf16 (H100/H200 SXM datasheet). Parameters include embeddings; "
@@ -42,10 +44,19 @@ MFU_FORMULA = ("MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden
 # ---- suites ----------------------------------------------------------------------------------------------
 
 
+# The tutorial's ZeRO-3 section for GPT-2 (hidden h = 768): its "auto" values as Hugging Face fills them (reduce
+# bucket h^2, prefetch 0.9 h^2, persistence 10 h), and hooks on every module. Set explicitly: the app's own
+# "auto" rules (whole layers, larger buckets) are what the app adds, so the baseline must not get them.
+TUTORIAL_ZERO3 = {"deepspeed.zero_optimization.stage": 3, "deepspeed.zero_optimization.leaf_module": {"classes": []},
+                  "deepspeed.zero_optimization.reduce_bucket_size": 768 * 768,
+                  "deepspeed.zero_optimization.stage3_prefetch_bucket_size": int(0.9 * 768 * 768),
+                  "deepspeed.zero_optimization.stage3_param_persistence_threshold": 10 * 768}
+
+
 def tutorial(name: str = "tutorial", **kw) -> Case:
     """The tutorial's configuration: GPT-2, micro-batch 1, short texts padded to 512, ZeRO-3, its ds_config."""
     return Case(name, "gpt2-124m", {"data.packing": False, "data.seq_length": 512, "train.micro_batch_size": 1,
-                                    "deepspeed.zero_optimization.stage": 3},
+                                    **TUTORIAL_ZERO3},
                 lengths="news", corpus_tokens=2_000_000, warmup=3, steps=12, estimate=40, **kw)
 
 
@@ -213,8 +224,6 @@ def _peer_1b() -> list[Case]:
         llama("hf-liger-l1b-z3-mb16-across", "llama-1.1b", 16, 3, True, runner="hf", sets=ACROSS, estimate=45),
         llama("l1b-z3-mb16-log4", "llama-1.1b", 16, 3, True, sets=FEWER_SYNCS, warmup=1, steps=3, estimate=80),
         llama("l1b-z3-mb16-buckets", "llama-1.1b", 16, 3, True, BIG_BUCKETS, estimate=75),
-        llama("l1b-z3-mb16-compile-layers", "llama-1.1b", 16, 3, True, env={"FINETUNE_COMPILE_LAYERS": "1"},
-              estimate=120, timeout=200),
     ]
 
 
@@ -237,6 +246,56 @@ def suite_full() -> list[Case]:
     ]
 
 
+def suite_start() -> list[Case]:
+    """Launch to first step, phase by phase (the 1.1B ZeRO-3 case of issue 16, first on a fresh machine, then
+    again with warm caches), Trainer + Liger beside it, and the 8B loaded from a safetensors folder."""
+    return [
+        llama("l1b-z3-mb16", "llama-1.1b", 16, 3, True, estimate=75),
+        llama("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, 3, True, runner="hf", estimate=45),
+        llama("l8b-z3-mb4-weights", "llama-8b", 4, 3, True, warmup=2, steps=3, weights=True, estimate=260,
+              timeout=240),
+        llama("l1b-z3-mb16-again", "llama-1.1b", 16, 3, True, estimate=60),
+        llama("l1b-z3-mb16-noprestart", "llama-1.1b", 16, 3, True, estimate=60,
+              env={"RAY_prestart_worker_first_driver": "0"}),
+    ]
+
+
+def suite_tutorial() -> list[Case]:
+    """Issue 16's item 6: the tutorial's configuration and the same texts packed, in one run."""
+    return [tutorial(), gpt2("gpt2-z2-mb16", 16, 2)]
+
+
+BASE_TREE = "../base"  # device_run.sh puts main's files there (`git archive main`), beside this tree
+
+
+def suite_start_ab() -> list[Case]:
+    """The start-up change against main's code, interleaved (two samples each, same machine), plus Ray's
+    worker prestart off; then the tutorial pair (item 6)."""
+    def l1b(name: str, **kw) -> Case:
+        return llama(name, "llama-1.1b", 16, 3, True, estimate=65, **kw)
+
+    return [
+        l1b("l1b-z3-mb16-main", tree=BASE_TREE), l1b("l1b-z3-mb16"),
+        *[dataclasses.replace(c, estimate=85) for c in suite_tutorial()],
+        l1b("l1b-z3-mb16-main-2", tree=BASE_TREE), l1b("l1b-z3-mb16-2"),
+        l1b("l1b-z3-mb16-noprestart", env={"RAY_prestart_worker_first_driver": "0"}),
+    ]
+
+
+def suite_start_ab2() -> list[Case]:
+    """A second sample of the start-up A/B (with Ray's worker prestart off as a third arm), Trainer + Liger
+    beside it, and the tutorial pair with the tutorial's own ZeRO-3 section."""
+    def l1b(name: str, **kw) -> Case:
+        return llama(name, "llama-1.1b", 16, 3, True, estimate=65, **kw)
+
+    return [
+        *[dataclasses.replace(c, estimate=80) for c in suite_tutorial()],
+        l1b("l1b-z3-mb16-main-3", tree=BASE_TREE), l1b("l1b-z3-mb16-3"),
+        l1b("l1b-z3-mb16-noprestart", env={"RAY_prestart_worker_first_driver": "0"}),
+        llama("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, 3, True, runner="hf", estimate=45),
+    ]
+
+
 def suite_smoke() -> list[Case]:
     """CPU plumbing check: 2 CPU workers, tiny shapes; every runner and the checkpoint path once."""
     cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1}
@@ -254,7 +313,9 @@ def suite_smoke() -> list[Case]:
     ]
 
 
-SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke}
+SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke,
+          "start": suite_start, "tutorial": suite_tutorial, "start-ab": suite_start_ab,
+          "start-ab2": suite_start_ab2}
 
 
 # ---- configs ---------------------------------------------------------------------------------------------
@@ -271,6 +332,10 @@ def set_dotted(doc: dict[str, Any], key: str, value: Any) -> None:
 def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
     shape = assets.SHAPES[case.shape]
     model = assets.model_folder(work, shape)
+    source = f"random-init:{model}"
+    if case.weights:  # config and tokenizer now; the weights are written before the case runs (make_weights)
+        source = str(weights_folder(work, shape))
+        shutil.copytree(model, source, dirs_exist_ok=True)
     corpus = assets.corpus(work, assets.LENGTHS[case.lengths], shape.vocab, case.corpus_tokens)
     if case.config:
         doc = yaml.safe_load((REPO / case.config).read_text()) or {}
@@ -281,7 +346,7 @@ def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
     need = case.warmup + case.steps
     forced = {
         "experiment.name": case.name, "experiment.storage_path": str(work / "storage"),
-        "model.name_or_path": f"random-init:{model}", "model.tokenizer": str(model),
+        "model.name_or_path": source, "model.tokenizer": str(model),
         "data.dataset": str(corpus), "data.split": "train", "data.eval_split": None, "data.eval_fraction": 0.0,
         "train.epochs": 1, "train.max_steps_per_epoch": None,
         # A few spare steps: the harness ends the run after the timed ones (a checkpoint case ends by itself).
@@ -368,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"-- {case.name}: {row['error']}", flush=True)
             _emit(out, row, results)
             continue
+        if case.weights:
+            made = subprocess.run([sys.executable, "-m", "benchmarks.make_weights", "--shape", case.shape,
+                                   "--work", str(work)], cwd=REPO, env=bench_env(), capture_output=True, text=True)
+            row["weights"] = json.loads(made.stdout.splitlines()[-1]) if made.returncode == 0 else made.stderr[-800:]
         print(f"-- {case.name}: {row['command']}", flush=True)
         started = time.time()
         run_dir = work / "storage" / case.name

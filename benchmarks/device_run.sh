@@ -13,5 +13,11 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 mkdir -p "$OUT/$suite"
 if [ "$suite" = peer ] || [ "$suite" = peer1 ]; then timeout 60 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
+if [ "$suite" = start ]; then timeout 90 python3 -m benchmarks.import_profile --out "$OUT/$suite/imports.json"; fi
 python3 -m benchmarks.bench --suite "$suite" --out "$OUT/$suite" --deadline-s "$deadline" ${only:+--only "$only"}
 tar -C /tmp/finetune-bench -czf "$OUT/$suite/logs.tar.gz" logs configs 2>/dev/null
+ls -d /tmp/ray/session_* "${RAY_TMPDIR:-/tmp}"/ray* 2>&1 | head -4
+# Ray's own logs of each local cluster (one session per app case): the controller's and workers' timelines.
+(cd /tmp/ray && tar -czf "$OUT/$suite/ray-logs.tar.gz" --exclude='*events*' --exclude='*.out' session_2*/logs)
+[ "$(stat -c %s "$OUT/$suite/ray-logs.tar.gz" 2>/dev/null || echo 0)" -lt 15000000 ] || \
+  (cd /tmp/ray && tar -czf "$OUT/$suite/ray-logs.tar.gz" session_2*/logs/train)

@@ -40,6 +40,8 @@ class Case:
     checkpoint: bool = False  # let the run end, measure its final checkpoint, then time a resume from it
     fallback_for: str | None = None  # run only if the case of this name failed (e.g. out of memory)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the run (experiment switches)
+    weights: bool = False  # load real (random-valued) safetensors weights instead of `random-init:`
+    tree: str | None = None  # run the app from another checkout (an A/B against, e.g., main), relative to REPO
     timeout: float = 240
     estimate: float = 45  # seconds, for the suite's deadline
     note: str = ""
@@ -195,10 +197,10 @@ def error_lines(log: str, n: int = 6) -> str:
 # ---- the app runner ---------------------------------------------------------------------------------------
 
 
-def launch_app(cfg_path: Path, log_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen, float]:
+def launch_app(cfg_path: Path, log_path: Path, env: dict[str, str], tree: Path = REPO) -> tuple[subprocess.Popen, float]:
     log = log_path.open("a")
     launch = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", str(cfg_path)], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", str(cfg_path)], cwd=tree, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     return proc, launch
@@ -222,6 +224,9 @@ def follow(proc: subprocess.Popen, metrics: Path, need: int | None, timeout: flo
 
 def run_app(case: Case, cfg_path: Path, run_dir: Path, shared_cache: Path, log_path: Path) -> dict[str, Any]:
     env = {**bench_env(), **case.env}
+    tree = (REPO / case.tree).resolve() if case.tree else REPO
+    if case.tree:  # that checkout's app, not this one's (the harness itself stays this one)
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *env["PYTHONPATH"].split(os.pathsep)[1:]])
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     shared_cache.mkdir(parents=True, exist_ok=True)
@@ -229,7 +234,7 @@ def run_app(case: Case, cfg_path: Path, run_dir: Path, shared_cache: Path, log_p
     (run_dir / "cache").symlink_to(shared_cache, target_is_directory=True)
     metrics = run_dir / "metrics.jsonl"
     need = case.warmup + case.steps
-    proc, launch = launch_app(cfg_path, log_path, env)
+    proc, launch = launch_app(cfg_path, log_path, env, tree)
     failure = follow(proc, metrics, None if case.checkpoint else need, case.timeout, launch)
     records = read_records(metrics)
     result = summarise(records, case.warmup, launch)
