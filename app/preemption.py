@@ -160,11 +160,16 @@ def grace_note(save_s: float) -> tuple[bool, str] | None:
         return None
     # The step in flight must end too, and the hook needs a moment: half the grace period for the write.
     if save_s <= grace / 2:
-        return True, (f"the first checkpoint took {save_s:.1f} s to write: it fits in the pods' {grace:.0f} s grace "
+        return True, (f"the first checkpoint took {seconds(save_s)} to write: it fits in the pods' {grace:.0f} s grace "
                       "period, so a preempted run saves its last step")
-    return False, (f"the first checkpoint took {save_s:.1f} s to write, more than half the pods' {grace:.0f} s grace "
+    return False, (f"the first checkpoint took {seconds(save_s)} to write, more than half the pods' {grace:.0f} s grace "
                    "period: a preempted run may be killed before its checkpoint is complete (it then resumes from "
                    f"the last periodic one). Set preemption.gracePeriodSeconds to at least {4 * save_s:.0f}")
+
+
+def seconds(s: float) -> str:
+    """A save time as a person reads it: 0.04 s, 9.50 s, 112 s."""
+    return f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
 
 
 def wait_for_release(run_dir: Path, token: str | None, timeout_s: float, poll_s: float = 1.0) -> bool:

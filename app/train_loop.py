@@ -180,7 +180,9 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         final = checkpoint.export(checkpoint.checkpoint_dir(run_dir, step), run_dir / "final", t.precision)
         log.info(f"exported Hugging Face model to {final}")
     elif preempted and rank == 0:
-        written = f"checkpoint written in {saves[-1]:.1f} s" if guard.healthy else "no checkpoint (non-finite step)"
+        written = "no checkpoint (non-finite step)"
+        if guard.healthy:
+            written = f"checkpoint written in {preemption.seconds(saves[-1])}"
         log.warning(f"preempted at step {step}, {written}; deploy again as {cfg.experiment.name} to resume")
     elif not finished and rank == 0:
         log.info(f"stopped at step {step} of {policy.total_steps}; deploy again as {cfg.experiment.name} to resume")

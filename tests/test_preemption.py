@@ -55,9 +55,9 @@ def test_grace_note(monkeypatch):
     assert preemption.grace_note(10) is None  # not on Kubernetes: nothing to compare with
     monkeypatch.setenv(preemption.GRACE_ENV, "300")
     fits, text = preemption.grace_note(9.5)
-    assert fits and "9.5 s" in text and "300 s grace period" in text
+    assert fits and "9.50 s" in text and "300 s grace period" in text
     fits, text = preemption.grace_note(200)
-    assert not fits and "preemption.gracePeriodSeconds to at least 800" in text
+    assert not fits and "took 200 s" in text and "preemption.gracePeriodSeconds to at least 800" in text
 
 
 def test_rays_worker_sigterm_handler_is_the_one_the_route_takes():
