@@ -124,12 +124,17 @@ class Dns:
         self.records: dict[str, str] = {}
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((ip, 53))
-        threading.Thread(target=self._serve, name="dns", daemon=True).start()
+        self.sock.settimeout(0.5)  # a socket blocked in recvfrom stays bound after close(): poll a flag instead
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="dns", daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 data, peer = self.sock.recvfrom(4096)
+            except TimeoutError:
+                continue
             except OSError:
                 return
             try:
@@ -154,6 +159,8 @@ class Dns:
             b"\0\0\0\0" + question + answers
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
         self.sock.close()
 
 
@@ -557,6 +564,7 @@ class PodRunner:
                 pod.kill(grace=2)
         self.pods.clear()
         if self._forwarder:
+            self._accept_thread.join(timeout=5)
             self._forwarder.close()
         if self.dns:
             self.dns.close()
@@ -578,6 +586,7 @@ class PodRunner:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind((API_SERVICE_IP, 443))
         srv.listen(64)
+        srv.settimeout(0.5)  # as for the DNS socket: accept() polls, so that stop() really unbinds it
         self._forwarder = srv
 
         def pipe(a: socket.socket, b: socket.socket) -> None:
@@ -594,11 +603,14 @@ class PodRunner:
                         pass
 
         def accept() -> None:
-            while True:
+            while not self._stop.is_set():
                 try:
                     conn, _ = srv.accept()
+                except TimeoutError:
+                    continue
                 except OSError:
                     return
+                conn.settimeout(None)
                 try:
                     up = socket.create_connection((target[0], int(target[1])))
                 except OSError:
@@ -607,7 +619,8 @@ class PodRunner:
                 for a, b in ((conn, up), (up, conn)):
                     threading.Thread(target=pipe, args=(a, b), daemon=True).start()
 
-        threading.Thread(target=accept, name="apiserver-forwarder", daemon=True).start()
+        self._accept_thread = threading.Thread(target=accept, name="apiserver-forwarder", daemon=True)
+        self._accept_thread.start()
 
     # node
     def _register_node(self) -> None:
