@@ -96,3 +96,34 @@ def test_an_overlay_namespace_moves_the_rolebinding_subject(tmp_path):
     assert subject == {"kind": "ServiceAccount", "name": one(objects, "ServiceAccount")["metadata"]["name"],
                        "namespace": "ml-team"}
     assert "namespace: default" in (K8S / "rbac.yaml").read_text(), "the committed file names default (see above)"
+
+
+CPU_OVERLAY = REPO / "examples" / "k8s-cpu-overlay"
+
+
+def test_cpu_overlay_is_the_chart_with_values_cpu(tmp_path):
+    """examples/k8s-cpu-overlay patches k8s/ by hand: what it sets must be what the chart renders for
+    examples/values-cpu.yaml (its training.yaml, the head's and workers' resources, Ray's start parameters and
+    volume sizes), with no GPU left anywhere."""
+    objects = kustomize(CPU_OVERLAY)
+    validate_all(objects, tmp_path)
+    chart = render([REPO / "examples" / "values-cpu.yaml"])
+    ours = one(objects, "ConfigMap")["data"]["training.yaml"]
+    theirs = one(chart, "ConfigMap")["data"]["training.yaml"]
+    # kustomize writes a literal block without its final newline: the same YAML
+    assert ours.rstrip("\n") == theirs.rstrip("\n"), "the overlay's training.yaml differs from the chart's for values-cpu.yaml"
+    assert "nvidia.com/gpu" not in str(objects)
+    want, got = cluster_spec(chart), cluster_spec(objects)
+    assert got["headGroupSpec"]["rayStartParams"] == want["headGroupSpec"]["rayStartParams"]
+    assert [(g["groupName"], g["replicas"], g["rayStartParams"]) for g in got["workerGroupSpecs"]] == \
+        [(g["groupName"], g["replicas"], g["rayStartParams"]) for g in want["workerGroupSpecs"]]
+    ours_t, theirs_t = pod_templates(objects), pod_templates(chart)
+    assert set(ours_t) == set(theirs_t)
+    for role in theirs_t:
+        assert container(ours_t[role])["resources"] == container(theirs_t[role])["resources"], role
+        sizes = {v["name"]: v.get("emptyDir") for v in ours_t[role]["spec"].get("volumes", []) if "emptyDir" in v}
+        assert sizes == {v["name"]: v.get("emptyDir") for v in theirs_t[role]["spec"].get("volumes", []) if "emptyDir" in v}, role
+        assert ours_t[role]["spec"].get("tolerations") == theirs_t[role]["spec"].get("tolerations"), role
+    job = one(objects, "RayJob")
+    assert job["spec"]["entrypoint"] == one(chart, "RayJob")["spec"]["entrypoint"]
+    assert {o["metadata"]["namespace"] for o in objects} == {"finetune-cpu"}

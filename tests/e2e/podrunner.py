@@ -26,6 +26,7 @@ import base64
 import ctypes
 import http.client
 import ipaddress
+import itertools
 import json
 import math
 import os
@@ -50,10 +51,11 @@ NETNS_PREFIX = "fte2e-"
 BRIDGE = "fte2e0"
 POLL_S = 0.5
 HEARTBEAT_S = 10
-LOG_LIMIT = 200_000
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"  # the node heartbeat's Lease
+LOG_LIMIT = 200_000  # bytes of a container's log kept for `logs()`
 # Mount points the runner made on this machine's file system (e.g. /etc/finetune): removed at stop, and by the
 # next start if a session was killed before its cleanup.
-MOUNT_POINTS = Path(os.environ.get("TMPDIR", "/tmp")) / "finetune-e2e-mount-points"  # bytes of a container's log kept for `logs()`
+MOUNT_POINTS = Path(os.environ.get("TMPDIR", "/tmp")) / "finetune-e2e-mount-points"
 
 
 def now() -> str:
@@ -192,8 +194,8 @@ class Container:
         return self.spec["name"]
 
     def status(self) -> dict:
-        st: dict = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "", "restartCount": self.restarts,
-                    "ready": self.ready, "started": self.started}
+        st: dict = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
+                    "restartCount": self.restarts, "ready": self.ready, "started": self.started}
         if self.proc is not None and self.exit_code is None:
             st["state"] = {"running": {"startedAt": self.started_at}}
         elif self.exit_code is not None:
@@ -377,7 +379,8 @@ class Pod:
         sh(*ns, "link", "set", "lo", "up")
         sh(*ns, "route", "add", "default", "via", self.runner.gateway)
         # As a kubelet writes them: the pod's own name in /etc/hosts, the cluster DNS in resolv.conf.
-        self.hosts.write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{self.ip}\t{self.name}\n")
+        self.hosts.write_text("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                              f"{self.ip}\t{self.name}\n")
         self.resolv.write_text(f"search {self.ns}.svc.cluster.local svc.cluster.local cluster.local\n"
                                f"nameserver {self.runner.gateway}\noptions ndots:5\n")
 
@@ -509,11 +512,18 @@ def expand(items: list[str], env: dict[str, str]) -> list[str]:
 
 # --- the runner ------------------------------------------------------------------------------------------------
 
+_node_ids = itertools.count()
+
+
 class PodRunner:
-    def __init__(self, cp, namespaces: list[str], *, node: str = "e2e-node", cpu: str = "8", memory: str = "20Gi",
+    # Declared, not measured, and large: the scheduler also binds pods of other namespaces here (earlier tests'
+    # jobs, still being deleted), which this runner leaves Pending; they must not crowd out the test's own.
+    def __init__(self, cp, namespaces: list[str], *, cpu: str = "64", memory: str = "512Gi",
                  subnet: str = "10.244.0.0/24", venv: Path | None = None):
-        self.cp, self.namespaces, self.node = cp, set(namespaces), node
-        self.capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "100Gi"}
+        # A new name for each runner: pods still bound to an earlier runner's Node are orphans the pod garbage
+        # collector removes, instead of counting against this one.
+        self.cp, self.namespaces, self.node = cp, set(namespaces), f"e2e-node-{next(_node_ids)}"
+        self.capacity = {"cpu": cpu, "memory": memory, "pods": "250", "ephemeral-storage": "2Ti"}
         self.net = ipaddress.ip_network(subnet)
         hosts = list(self.net.hosts())
         self.gateway, self._free = str(hosts[0]), [str(h) for h in hosts[1:]]
@@ -569,7 +579,7 @@ class PodRunner:
         if self.dns:
             self.dns.close()
         if self.api:
-            for path in (f"/api/v1/nodes/{self.node}", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.node}"):
+            for path in (f"/api/v1/nodes/{self.node}", f"{LEASES}/{self.node}"):
                 try:
                     self.api.call("DELETE", path, ok=(200, 202, 404))
                 except (ApiError, OSError):
@@ -628,7 +638,7 @@ class PodRunner:
             "name": self.node, "labels": {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux",
                                           "kubernetes.io/arch": "amd64"}}})
         self._node_status()
-        self.api.call("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", {
+        self.api.call("POST", LEASES, {
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": self.node},
             "spec": {"holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": self._micro()}},
             ok=(201, 409))
@@ -641,9 +651,8 @@ class PodRunner:
         t = now()
         conds = [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "e2e pod runner",
                   "lastHeartbeatTime": t, "lastTransitionTime": t}]
-        conds += [{"type": k, "status": "False", "reason": f"KubeletHasSufficient{k[:-8] if k.endswith('Pressure') else k}",
-                   "lastHeartbeatTime": t, "lastTransitionTime": t}
-                  for k in ("MemoryPressure", "DiskPressure", "PIDPressure")]
+        conds += [{"type": f"{k}Pressure", "status": "False", "reason": f"KubeletHasSufficient{k}",
+                   "lastHeartbeatTime": t, "lastTransitionTime": t} for k in ("Memory", "Disk", "PID")]
         self.api.patch(f"/api/v1/nodes/{self.node}/status", {"status": {
             "capacity": self.capacity, "allocatable": self.capacity, "conditions": conds,
             "addresses": [{"type": "InternalIP", "address": self.gateway}, {"type": "Hostname", "address": self.node}],
@@ -657,8 +666,7 @@ class PodRunner:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._node_status()
-                self.api.patch(f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{self.node}",
-                               {"spec": {"renewTime": self._micro()}})
+                self.api.patch(f"{LEASES}/{self.node}", {"spec": {"renewTime": self._micro()}})
             except (ApiError, OSError) as exc:
                 self.note(f"heartbeat: {exc}")
 
@@ -714,11 +722,6 @@ class PodRunner:
                           {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}, ok=(200, 202, 404, 409))
         except (ApiError, OSError) as exc:
             self.note(f"finalize {meta['name']}: {exc}")
-
-    def wait_idle(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(not p.done.is_set() for p in self.pods.values()):
-            time.sleep(0.5)
 
     # claims
     def claim_dir(self, ns: str, claim: str) -> Path:
@@ -853,7 +856,8 @@ class PodRunner:
             "PATH": f"{self.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(home), "HOSTNAME": pod.name, "PYTHONPATH": str(REPO), "LANG": "C.UTF-8",
             # The image ships DeepSpeed's ops built; here torch builds them once per machine, shared by all pods.
-            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions"),
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
+            or str(Path.home() / ".cache" / "torch_extensions"),
             "KUBERNETES_SERVICE_HOST": API_SERVICE_IP, "KUBERNETES_SERVICE_PORT": "443",
             "KUBERNETES_SERVICE_PORT_HTTPS": "443", "KUBERNETES_PORT": f"tcp://{API_SERVICE_IP}:443",
         }

@@ -1,10 +1,13 @@
-"""The job trains through the real operator: `helm install` of examples/values-cpu.yaml, KubeRay's RayCluster
-(head and two CPU workers) and submitter run on the pod runner's Node (tests/e2e/podrunner.py), the submitter
-runs `finetune train` on the head, the RayJob ends Succeeded, the final model loads, and `finetune status`
-shows the finished job with its progress."""
+"""The job trains through the real operator, on the pod runner's Node (tests/e2e/podrunner.py): `helm install`
+of examples/values-cpu.yaml and `kubectl apply -k` of examples/k8s-cpu-overlay (KubeRay's RayCluster with a
+head and two CPU workers, its submitter running `finetune train` on the head with Ray's token; the RayJob ends
+Succeeded, the final model loads, `finetune status` shows the finished job and its progress), in a namespace
+that enforces Pod Security "restricted"; a redeploy resumes at the checkpoint; a deleted worker pod recovers."""
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
 import shutil
 import subprocess
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import k8s_support
 from e2e import support
 from e2e.controlplane import REPO
 
@@ -75,25 +79,74 @@ def test_helm_install_trains_the_tiny_model(cluster, namespace, pod_runner, tiny
     pods = running_pods(cluster, ns, f"ray.io/cluster={ray_cluster}", 3)
     assert sorted(support.group_of(p) for p in pods) == ["head", "worker/cpu", "worker/cpu"]
 
-    status = wait_job_end(cluster, pod_runner, ns, "ft")
-    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
-        f"{status}\n{pod_runner.logs(ns)[-30000:]}"
+    assert_trained(cluster, pod_runner, ns, "ft", claim)
     submitter = support.get(cluster, "job", ns, "ft")
-    assert "finetune train" in json.dumps(submitter["spec"]["template"]["spec"]["containers"]), "the submitter's command"
-    print(f"\nhelm install -> RayJob Succeeded: {time.monotonic() - t0:.0f} s")
+    command = json.dumps(submitter["spec"]["template"]["spec"]["containers"])
+    assert "ray job submit" in command and "finetune train" in command, command
+    print(f"\nhelm install -> RayJob Succeeded, model loaded, status shown: {time.monotonic() - t0:.0f} s")
+    check_token_auth(cluster, ns, ray_cluster)
 
-    run = claim / "ft"
-    steps = [m["step"] for m in metrics(run) if "loss" in m and "step" in m]
-    assert steps and steps[-1] == total_steps(CPU_VALUES[0]) and steps == sorted(set(steps)), steps
+
+def dashboard_get(ip: str, path: str, token: str | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(ip, 8265, timeout=10)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def check_token_auth(cluster, ns: str, ray_cluster: str) -> None:
+    """Ray token auth on the finished cluster (kept ttlSecondsAfterFinished): the head's dashboard refuses a
+    request without the token KubeRay generated, and with it lists the job the submitter sent it."""
+    head = support.get(cluster, "pods", ns, selector=f"ray.io/cluster={ray_cluster},ray.io/node-type=head")["items"][0]
+    env = {e["name"]: e for e in support.ray_container(head)["env"]}
+    ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    secret = support.get(cluster, "secret", ns, ref["name"])
+    token = base64.b64decode(secret["data"][ref["key"]]).decode()
+    ip = head["status"]["podIP"]
+    status, body = dashboard_get(ip, "/api/jobs/")
+    assert status in (401, 403), (status, body[:300])
+    assert dashboard_get(ip, "/api/jobs/", "not-the-token")[0] in (401, 403)
+    status, body = dashboard_get(ip, "/api/jobs/", token)
+    assert status == 200, (status, body[:300])
+    jobs = json.loads(body)
+    assert any("finetune train" in j.get("entrypoint", "") and j.get("status") == "SUCCEEDED" for j in jobs), jobs
+
+
+def assert_trained(cluster, runner, ns: str, experiment: str, claim: Path) -> None:
+    """The RayJob ends Succeeded, metrics reach the last step, final/ loads with from_pretrained, and
+    `finetune status` shows the job succeeded with its progress at the last step."""
+    status = wait_job_end(cluster, runner, ns, experiment)
+    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
+        f"{status}\n{runner.logs(ns)[-30000:]}"
+    run = claim / experiment
+    steps = runs(run)[-1]  # the last attempt's
+    assert steps[-1] == total_steps(CPU_VALUES[0]) and steps == sorted(set(steps)), runs(run)
 
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert sum(p.numel() for p in model.parameters()) > 0
 
-    out = finetune_status(cluster, ns, "ft")
+    out = finetune_status(cluster, ns, experiment)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "experiment ft in namespace" in out.stdout and ": succeeded" in out.stdout, out.stdout
+    assert f"experiment {experiment} in namespace {ns}: succeeded" in out.stdout, out.stdout
     assert f"step         {steps[-1]}/{steps[-1]} (100%)" in out.stdout, out.stdout
+
+
+def test_kubectl_apply_k_of_the_cpu_overlay_trains(cluster, namespace, pod_runner, tiny_model, tmp_path):
+    """examples/k8s-cpu-overlay (k8s/ made the CPU smoke run), under an overlay that moves it into the test's
+    namespace, applied with `kubectl apply -k`: the job trains like the Helm install."""
+    ns = namespace
+    shutil.copytree(k8s_support.K8S, tmp_path / "k8s")
+    shutil.copytree(REPO / "examples" / "k8s-cpu-overlay", tmp_path / "examples" / "k8s-cpu-overlay")
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "kustomization.yaml").write_text(
+        f"resources: [../examples/k8s-cpu-overlay]\nnamespace: {ns}\n")
+    claim = put_model(pod_runner, ns, "gpt2-agnews", tiny_model)
+    cluster.kubectl("apply", "-k", str(tmp_path / "here"))
+    assert_trained(cluster, pod_runner, ns, "gpt2-agnews", claim)
 
 
 def fault_env(**env: str) -> list[str]:
@@ -156,7 +209,7 @@ def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, pod_runner, tiny
     first = support.job_status(cluster, ns, "ft")["rayClusterName"]
     cluster.kubectl("delete", "rayjob", "ft", "-n", ns)
     cluster.helm("uninstall", "ft", "-n", ns)
-    support.wait_for(lambda: not (support.get(cluster, "pods", ns, selector=f"ray.io/cluster={first}") or {}).get("items"),
+    support.wait_for(lambda: not support.get(cluster, "pods", ns, selector=f"ray.io/cluster={first}")["items"],
                      "the first cluster's pods gone")
 
     install(cluster, ns)  # the same release name, without the fault
@@ -212,10 +265,34 @@ def test_restricted_namespace_trains(cluster, namespace, pod_runner, tiny_model)
     ns = namespace
     cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted",
                     "pod-security.kubernetes.io/enforce-version=latest")
-    put_model(pod_runner, ns, "ft", tiny_model)
+    claim = put_model(pod_runner, ns, "ft", tiny_model)
     install(cluster, ns)
-    status = wait_job_end(cluster, pod_runner, ns, "ft")
-    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
-        f"{status}\n{pod_runner.logs(ns)[-30000:]}"
+    assert_trained(cluster, pod_runner, ns, "ft", claim)
     events = cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout
     assert "violates PodSecurity" not in events
+
+
+def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, pod_runner, tiny_model):
+    """examples/values-persistent.yaml over values-cpu.yaml: a RayCluster that outlives its jobs, the RayJob
+    submitted by the operator over HTTP. The first job is deleted after the checkpoint of step 10 (rank 0 held
+    at step 15's save); `helm upgrade` creates the RayJob again, and the second job, on the same cluster and
+    pods, resumes the experiment at step 10 and finishes."""
+    ns = namespace
+    values = [*CPU_VALUES, REPO / "examples" / "values-persistent.yaml"]
+    claim = put_model(pod_runner, ns, "ft", tiny_model)
+    run = claim / "ft"
+    pause = fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15")[0]
+    args = [a for v in values for a in ("-f", str(v))] + ["--set-json", pause]
+    cluster.helm("install", "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
+    paused(run, "before_shards", 15)
+    registered(run, 10)
+    pods = {p["metadata"]["uid"] for p in running_pods(cluster, ns, "ray.io/cluster=ft", 3)}
+    cluster.kubectl("delete", "rayjob", "ft", "-n", ns)  # the operator stops the Ray job; the cluster stays
+    # The cluster's pods keep the fault's env: let the second job pass step 15 without a pause.
+    (run / ".fault-continue-before_shards-15").touch()
+    cluster.helm("upgrade", "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
+    assert_trained(cluster, pod_runner, ns, "ft", claim)
+    assert {p["metadata"]["uid"] for p in running_pods(cluster, ns, "ray.io/cluster=ft", 3)} == pods, \
+        "the second job did not run on the same cluster's pods"
+    first, second = runs(run)
+    assert 10 <= first[-1] < 15 and 10 < second[0] <= 10 + log_every(), (first, second)
