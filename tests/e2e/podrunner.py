@@ -937,7 +937,8 @@ class PodRunner:
         """The logs of the pods of `ns` whose name starts with name_prefix (for failure messages)."""
         out = []
         for d in sorted((self.root / "pods").glob(f"{ns}_{name_prefix}*")):
-            for log in sorted(d.glob("*.log")):
+            # The containers' output, and the Ray job drivers' (HTTPMode has no submitter to print them).
+            for log in sorted(d.glob("*.log")) + sorted(d.glob("volumes/*/session_latest/logs/job-driver-*.log")):
                 data = log.read_bytes()[-LOG_LIMIT:]
                 out.append(f"--- {d.name}/{log.name}\n{data.decode(errors='replace')}")
         return "\n".join(out)

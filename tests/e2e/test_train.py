@@ -132,7 +132,7 @@ def assert_trained(cluster, runner, ns: str, experiment: str, claim: Path) -> No
     out = finetune_status(cluster, ns, experiment)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"experiment {experiment} in namespace {ns}: succeeded" in out.stdout, out.stdout
-    assert f"step         {steps[-1]}/{steps[-1]} (100%)" in out.stdout, out.stdout
+    assert f"step         {steps[-1]}/{steps[-1]} (100%)" in out.stdout, out.stdout + runner.logs(ns)[-30000:]
 
 
 def test_kubectl_apply_k_of_the_cpu_overlay_trains(cluster, namespace, pod_runner, tiny_model, tmp_path):
@@ -253,6 +253,7 @@ def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_mode
         f"{status}\n{pod_runner.logs(ns)[-30000:]}"
     after = runs(run)[-1]
     assert after[-1] == total_steps(CPU_VALUES[0]), runs(run)
+    print(f"recovered by: {status.get('failed') or 0} KubeRay retries, {len(runs(run))} training attempts")
     still = {p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists()}
     keep = yaml.safe_load(CPU_VALUES[0].read_text())["training"]["checkpoint"]["keep"]
     # Kept checkpoints rotate (keep N), so an old one may go: but only for newer complete ones.
