@@ -97,15 +97,19 @@ def dashboard_get(ip: str, path: str, token: str | None = None) -> tuple[int, by
         conn.close()
 
 
-def check_token_auth(cluster, ns: str, ray_cluster: str) -> None:
-    """Ray token auth on the finished cluster (kept ttlSecondsAfterFinished): the head's dashboard refuses a
-    request without the token KubeRay generated, and with it lists the job the submitter sent it."""
+def head_and_token(cluster, ns: str, ray_cluster: str) -> tuple[str, str]:
+    """The head pod's IP and the Ray token KubeRay generated for the cluster (its Secret, as the pods get it)."""
     head = support.get(cluster, "pods", ns, selector=f"ray.io/cluster={ray_cluster},ray.io/node-type=head")["items"][0]
     env = {e["name"]: e for e in support.ray_container(head)["env"]}
     ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
     secret = support.get(cluster, "secret", ns, ref["name"])
-    token = base64.b64decode(secret["data"][ref["key"]]).decode()
-    ip = head["status"]["podIP"]
+    return head["status"]["podIP"], base64.b64decode(secret["data"][ref["key"]]).decode()
+
+
+def check_token_auth(cluster, ns: str, ray_cluster: str) -> None:
+    """Ray token auth on the finished cluster (kept ttlSecondsAfterFinished): the head's dashboard refuses a
+    request without the token KubeRay generated, and with it lists the job the submitter sent it."""
+    ip, token = head_and_token(cluster, ns, ray_cluster)
     status, body = dashboard_get(ip, "/api/jobs/")
     assert status in (401, 403), (status, body[:300])
     assert dashboard_get(ip, "/api/jobs/", "not-the-token")[0] in (401, 403)
@@ -289,6 +293,12 @@ def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, pod_ru
     registered(run, 10)
     pods = {p["metadata"]["uid"] for p in running_pods(cluster, ns, "ray.io/cluster=ft", 3)}
     cluster.kubectl("delete", "rayjob", "ft", "-n", ns)  # the operator stops the Ray job; the cluster stays
+    ip, token = head_and_token(cluster, ns, "ft")
+
+    def stopped():
+        jobs = json.loads(dashboard_get(ip, "/api/jobs/", token)[1])
+        return jobs and all(j["status"] in ("STOPPED", "FAILED", "SUCCEEDED") for j in jobs)
+    support.wait_for(stopped, "the first Ray job stopped on the persistent cluster")
     # The cluster's pods keep the fault's env: let the second job pass step 15 without a pause.
     (run / ".fault-continue-before_shards-15").touch()
     cluster.helm("upgrade", "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
