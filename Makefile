@@ -62,6 +62,11 @@ test-all: setup
 # cached in $${FINETUNE_E2E_CACHE:-~/.cache/finetune-e2e}), starts them, runs the tests, stops them.
 .PHONY: e2e
 e2e: setup
+	@# The pod runner (tests/e2e/podrunner.py) makes a network namespace per pod and binds volumes in a mount
+	@# namespace per container: it needs root and iproute2's ip, util-linux's nsenter, unshare and mount.
+	@for t in ip nsenter unshare mount; do command -v $$t >/dev/null || { echo "error: make e2e needs '$$t'" \
+	  "(Debian/Ubuntu: apt-get install iproute2 util-linux mount)" >&2; exit 2; }; done
+	@test "$$(id -u)" = 0 || { echo "error: make e2e runs pods in network and mount namespaces: run it as root" >&2; exit 2; }
 	@# Built here, outside pytest's output capture, so a cold build's progress shows; the suite then reuses it.
 	bash tools/controlplane/build.sh >/dev/null
 	$(BIN)/pytest -q -m e2e tests/e2e

@@ -545,6 +545,11 @@ class PodRunner:
 
     # start / stop
     def start(self) -> PodRunner:
+        missing = [t for t in ("ip", "nsenter", "unshare", "mount") if not shutil.which(t)]
+        if missing or os.geteuid() != 0:
+            raise RuntimeError(f"the e2e pod runner needs root and {', '.join(missing) or 'ip, nsenter, unshare'} "
+                               "(network and mount namespaces per pod): run `make e2e` as root; Debian/Ubuntu: "
+                               "apt-get install iproute2 util-linux mount")
         self.root.mkdir(parents=True, exist_ok=True)
         remove_leftovers()
         try:
