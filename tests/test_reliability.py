@@ -798,6 +798,7 @@ def test_sigterm_to_a_rank_saves_the_step_in_flight_and_the_redeploy_redoes_noth
     assert max(abs(full[k] - got[k]) for k in full) <= EXACT, (n, full, got)
 
 
+@pytest.mark.slow  # keeps the unit suite under 20 minutes; the rank test covers the agreement, save and exit 4
 def test_sigterm_to_the_driver_stops_the_run_with_a_checkpoint(tmp_path, tiny_model):
     """`kill -TERM` of `finetune train` (as `ray job stop` or a terminal does): the notice reaches every rank,
     which save the step in flight; exit 4, the lease released, the notice cleared by the next deploy."""
