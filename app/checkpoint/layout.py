@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,13 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def move_aside(folder: Path, why: str) -> Path:
+    """Rename a step folder to `step-N.<why>-<time>`, where no resume looks: kept, never deleted."""
+    aside = folder.with_name(f"{folder.name}.{why}-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.rename(folder, aside)
+    return aside
 
 
 def nearest_existing(path: Path) -> Path:

@@ -34,6 +34,7 @@ from app.checkpoint.layout import (
     UNLOADABLE,
     CheckpointError,
     last_logged_step,
+    move_aside,
     newest_usable,
     problem,
     read_state,
@@ -239,7 +240,7 @@ def remove_newer(run_dir: Path, step: int) -> list[str]:
         names = {p.name for p in folder.iterdir()}
         why = problem(folder)
         if why is None:  # complete: never thrown away, only set aside where a later resume does not look
-            aside = _move_aside(folder, "complete")
+            aside = move_aside(folder, "complete")
             done.append(
                 f"moved {folder.name} aside to {aside.name}: complete, but newer than the checkpoint resumed from"
             )
@@ -247,15 +248,9 @@ def remove_newer(run_dir: Path, step: int) -> list[str]:
             shutil.rmtree(folder)
             done.append(f"removed {folder.name}, newer than the checkpoint resumed from: {why}")
         else:
-            aside = _move_aside(folder, "foreign")
+            aside = move_aside(folder, "foreign")
             done.append(f"moved {folder.name} aside to {aside.name} (it holds files this app does not write)")
     return done
-
-
-def _move_aside(folder: Path, why: str) -> Path:
-    aside = folder.with_name(f"{folder.name}.{why}-{time.strftime('%Y%m%dT%H%M%S')}")
-    os.rename(folder, aside)
-    return aside
 
 
 # --- 3. every rank: load ------------------------------------------------------------------------------------

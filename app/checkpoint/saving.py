@@ -11,7 +11,6 @@ import json
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from app.checkpoint.layout import (
     TAG,
     CheckpointError,
     manifest,
+    move_aside,
     nearest_existing,
     problem,
     rng_file,
@@ -58,7 +58,7 @@ def save(
         if rank == 0 and path.exists():
             # Left by a run that died while saving this same step; a complete one is set aside, never deleted.
             if problem(path) is None:
-                path.rename(path.with_name(f"{path.name}.complete-{time.strftime('%Y%m%dT%H%M%S')}"))
+                move_aside(path, "complete")
             else:
                 shutil.rmtree(path)
         barrier()
