@@ -46,17 +46,30 @@ def _public_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
-KERNELS = {"aten": _aten_varlen, "varlen_attn": _public_varlen}
+def _fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """FlashAttention-4's CuTe-DSL kernels (package flash-attn-4, Hopper and Blackwell), GQA native."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                 max_seqlen_k=max_k, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+KERNELS = {"aten": _aten_varlen, "varlen_attn": _public_varlen, "fa4": _fa4_varlen}
 
 
 @lru_cache(maxsize=1)
 def _kernel():
     """The varlen kernel: f(q, k, v, cu_q, cu_k, max_q, max_k, scale) on (tokens, heads, head size) tensors, or
-    None where this torch has none. FINETUNE_VARLEN_KERNEL picks one of KERNELS (for benchmarks)."""
+    None where this torch has none. PyTorch's FlashAttention-2 unless FINETUNE_VARLEN_KERNEL names another of
+    KERNELS: FlashAttention-4 ("fa4") is 1.55x faster per layer on an H200 but compiles its kernels at the first
+    step (8-14 s a process) and is a beta package, so it is not the default (docs/benchmarks.md, run N)."""
     import os
 
-    name = os.environ.get("FINETUNE_VARLEN_KERNEL", "aten")
-    if name == "aten" and hasattr(torch.ops.aten, "_flash_attention_forward"):
+    name = os.environ.get("FINETUNE_VARLEN_KERNEL")
+    if name in KERNELS:
+        return KERNELS[name]
+    if hasattr(torch.ops.aten, "_flash_attention_forward"):
         return _aten_varlen
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401

@@ -296,6 +296,26 @@ def suite_start_ab2() -> list[Case]:
     ]
 
 
+FA4 = {"FINETUNE_VARLEN_KERNEL": "fa4"}  # FlashAttention-4's varlen kernels (package flash-attn-4)
+FA2 = {"FINETUNE_VARLEN_KERNEL": "aten"}  # PyTorch's FlashAttention-2 varlen kernel (what transformers' FA2 runs)
+
+
+def suite_fa4() -> list[Case]:
+    """Documents-apart attention through FlashAttention-4's Hopper kernels against FlashAttention-2's (the
+    kernel Trainer + Liger runs with packed batches), 1.1B and 8B, Trainer + Liger beside each."""
+    def hf(name: str, shape: str, mb: int, **kw) -> Case:
+        return llama(name, shape, mb, 3, True, runner="hf", env=FA2, **kw)
+
+    return [
+        llama("l1b-z3-mb16-fa4", "llama-1.1b", 16, 3, True, estimate=75, env=FA4),
+        hf("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, estimate=45),
+        llama("l1b-z3-mb16-fa2", "llama-1.1b", 16, 3, True, estimate=70, env=FA2),
+        llama("l8b-z3-mb4-fa4", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=100, timeout=240, env=FA4),
+        hf("hf-liger-l8b-z3-mb4", "llama-8b", 4, warmup=2, steps=5, estimate=80, timeout=240),
+        llama("l1b-z3-mb16-fa4-2", "llama-1.1b", 16, 3, True, estimate=70, env=FA4),
+    ]
+
+
 def suite_smoke() -> list[Case]:
     """CPU plumbing check: 2 CPU workers, tiny shapes; every runner and the checkpoint path once."""
     cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1}
@@ -314,7 +334,7 @@ def suite_smoke() -> list[Case]:
 
 
 SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke,
-          "start": suite_start, "tutorial": suite_tutorial, "start-ab": suite_start_ab,
+          "start": suite_start, "fa4": suite_fa4, "tutorial": suite_tutorial, "start-ab": suite_start_ab,
           "start-ab2": suite_start_ab2}
 
 

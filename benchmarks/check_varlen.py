@@ -7,7 +7,9 @@ computes, and what do the three ways of attending cost at the 1.1B shape? One JS
    derived from the per-document position ids), same weights, same packed batch: per-token losses compared.
 2. Attention forward+backward alone at Llama 1.1B's attention shape (16 x 2048 tokens, 32 query heads, 4 K/V
    heads, head size 64) on the benchmark corpus' document lengths: causal SDPA over whole blocks (the earlier,
-   cross-document packing), varlen FlashAttention per document, and SDPA with a block-diagonal mask.
+   cross-document packing; FlashAttention's and cuDNN's), varlen FlashAttention-2 per document (PyTorch's op and
+   its public wrapper), FlashAttention-4 (where flash-attn-4 is importable), cuDNN's varlen op, and SDPA with a
+   block-diagonal mask.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ def timed(fn, reps: int = 20) -> float:
     return float(np.median(times))
 
 
+def _cudnn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """cuDNN's varlen attention (torch's private op; torch's own varlen_attn keeps it switched off and gives it no
+    GQA), K/V repeated to the query's heads."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False,
+                                                    scale=scale)[0]
+
+
+def _cudnn_whole(q, k, v):
+    def forward():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    return forward
+
+
 def attention_costs() -> dict:
     from app import attention, data
     from benchmarks import assets
@@ -104,11 +124,15 @@ def attention_costs() -> dict:
         "causal_sdpa_whole_blocks": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2),
         "varlen_aten_gqa": varlen(attention.KERNELS["aten"]),
         "varlen_attn_public": varlen(attention.KERNELS["varlen_attn"]),
+        "varlen_fa4": varlen(attention.KERNELS["fa4"]),
+        "varlen_cudnn_kv_repeated": varlen(_cudnn_varlen),
+        "causal_cudnn_whole_blocks": _cudnn_whole(q, k, v),
         "sdpa_block_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2),
     }
     out = {"docs_in_batch": int(len(cu) - 1), "longest_doc": batch["max_length_q"], "ms_fwd_bwd": {}, "rel_err_vs_block_mask": {}}
     reference = None
-    for name in ("sdpa_block_mask", "causal_sdpa_whole_blocks", "varlen_aten_gqa", "varlen_attn_public"):
+    for name in ("sdpa_block_mask", "causal_sdpa_whole_blocks", "varlen_aten_gqa", "varlen_attn_public",
+                 "varlen_fa4", "varlen_cudnn_kv_repeated", "causal_cudnn_whole_blocks"):
         try:
             for t in (q, k, v):
                 t.grad = None

@@ -9,7 +9,7 @@ G=$PWD/.gpu
 mkdir -p /tmp/site && tar -C /tmp/site -xJf "$G/site-py312.tar.xz" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl || exit 1
 cd "$G/tree" || exit 1
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
+export PYTHONPATH=$PWD:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 mkdir -p "$OUT/$suite"
 if [ "$suite" = peer ] || [ "$suite" = peer1 ]; then timeout 60 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
