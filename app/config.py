@@ -201,6 +201,11 @@ class CheckpointConfig(Section):
     )
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept (Ray's CheckpointConfig.num_to_keep).")
     export_final: bool = Field(True, description="Write <storage>/<experiment>/final/ as a Hugging Face folder.")
+    async_save: bool = Field(
+        True,
+        description="Write periodic checkpoints in the background: training waits only while each rank's state is "
+        "copied to host memory (one more copy of it there). false: training waits for the whole write.",
+    )
 
 
 class ScalingConfig(Section):

@@ -8,7 +8,8 @@ FINETUNE_FAULT_SAVE_PAUSE=PHASE:SECONDS[:STEP]
     writing `<experiment>/.fault-paused-PHASE-STEP`, so that a test can kill the run, fill the volume or make it
     read-only at a known moment; the pause ends early once `<experiment>/.fault-continue-PHASE-STEP` exists:
       before_shards  rank 0, the folder exists and no shard has been written
-      mid_shards     the last rank, after rank 0 wrote all its shards and before this rank's optimizer shard
+      mid_shards     the last rank, after rank 0 wrote all its shards and before this rank's optimizer shard (with
+                     checkpoint.async_save, in the background write: the loop goes on meanwhile)
       before_state   rank 0, every shard written, trainer_state.json (the completion mark) not yet
       before_report  rank 0, the checkpoint is complete on disk but not yet reported to (registered by) Ray
 
@@ -137,10 +138,11 @@ def maybe_pause(phase: str, step: int, rank: int, world: int, run_dir: Path) -> 
 
 
 @contextlib.contextmanager
-def pausing_engine(engine, step: int, rank: int, world: int, run_dir: Path):
-    """For mid_shards: pause inside DeepSpeed's save, after this rank's model shard, before its optimizer shard."""
+def pausing_engine(engine, step: int, rank: int, world: int, run_dir: Path, in_loop: bool = True):
+    """For mid_shards: pause inside DeepSpeed's save, after this rank's model shard, before its optimizer shard
+    (`in_loop`; a background save pauses in its writer thread instead)."""
     spec = _pause_spec()
-    if not spec or spec[0] != "mid_shards" or rank != pause_rank("mid_shards", world):
+    if not in_loop or not spec or spec[0] != "mid_shards" or rank != pause_rank("mid_shards", world):
         yield
         return
     original = engine._save_zero_checkpoint

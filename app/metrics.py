@@ -102,8 +102,14 @@ class MetricsLogger:
         self.jsonl.write(json.dumps({"kind": prefix, "time": time.time(), **record}) + "\n")
         self.jsonl.flush()
 
-    def checkpoint(self, path: Path, step: int) -> None:
-        log.info(f"checkpoint saved: {path}")
+    def checkpoint(self, path: Path, step: int, stall_s: float, total_s: float, background: bool) -> None:
+        how = (f"training waited {stall_s:.2f} s, written in the background in {total_s:.2f} s" if background
+               else f"written in {total_s:.2f} s")
+        log.info(f"checkpoint saved: {path} ({how})")
+        self.jsonl.write(json.dumps({"kind": "checkpoint", "time": time.time(), "step": step, "path": str(path),
+                                     "stall_s": round(stall_s, 3), "total_s": round(total_s, 3),
+                                     "background": background}) + "\n")
+        self.jsonl.flush()
         if self.progress:
             self.progress.update({"last_checkpoint": str(path), "last_checkpoint_step": step}, force=True)
 

@@ -15,7 +15,7 @@ How a run is asked; all three end in the same notice:
 The notice carries the lease token of the run it is for, so that a notice left behind never stops a later run.
 After every optimizer step each rank looks at its flag and the file, and the ranks agree through one MAX
 all-reduce of a CPU tensor (on a gloo group: no GPU synchronisation), so that all of them save the same step and
-stop together.
+stop together. The same all-reduce carries each rank's background checkpoint write state (`checkpoint.Saver`).
 """
 
 from __future__ import annotations
@@ -78,21 +78,22 @@ class RankWatch:
         self.world = world
         # On GPUs the default group is NCCL; the flag goes through a CPU (gloo) group so that asking costs no sync.
         self.group = dist.new_group(backend="gloo") if gpu and world > 1 else None
-        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.flag = torch.zeros(2, dtype=torch.int32)
         global _loop_thread
         _loop_thread = threading.current_thread()
         _route_worker_sigterm()
 
-    def agreed(self) -> bool:
-        """True on every rank when any rank was asked to stop (collective: all ranks call it after each step)."""
+    def agreed(self, writes: int = 0) -> tuple[bool, int]:
+        """(whether any rank was asked to stop, the highest `writes` of any rank: the state of each rank's
+        background checkpoint write, `checkpoint.Saver.status`). A collective: all ranks call it after each step."""
         import torch.distributed as dist
 
         mine = _requested.is_set() or notice_for(self.run_dir, self.token)
         if self.world == 1 or not dist.is_initialized():
-            return mine
-        self.flag[0] = int(mine)
+            return mine, writes
+        self.flag[0], self.flag[1] = int(mine), writes
         dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(self.flag[0])
+        return bool(self.flag[0]), int(self.flag[1])
 
 
 def _route_worker_sigterm() -> None:

@@ -103,9 +103,20 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
     lease_token = loop_config.get("lease_token")
     preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
-    saves = []  # seconds each save of this attempt took
+    saves = []  # seconds each save of this attempt took, from its start until it was complete
+    saver = checkpoint.Saver(
+        engine,
+        rank,
+        world,
+        dist.barrier,
+        lambda p: (model.config.save_pretrained(p), tokenizer.save_pretrained(p)),
+        lease_token,
+        background=cfg.checkpoint.async_save,
+        group=preempt.group,
+    )
+    saver.prepare()
 
-    def save(step: int, epoch: int, step_in_epoch: int, extra: dict[str, Any]) -> None:
+    def save(step: int, epoch: int, step_in_epoch: int, extra: dict[str, Any], wait: bool) -> None:
         state = {
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
@@ -116,27 +127,27 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             "precision": t.precision,
             "experiment": cfg.experiment.name,
         }
-        path = checkpoint.checkpoint_dir(run_dir, step)
-        started = time.perf_counter()
-        checkpoint.save(
-            engine,
-            path,
-            state,
-            rank,
-            dist.barrier,
-            lambda p: (model.config.save_pretrained(p), tokenizer.save_pretrained(p)),
-            lease_token=lease_token,
-        )
-        saves.append(round(time.perf_counter() - started, 2))
-        if rank == 0 and len(saves) == 1 and (note := preemption.grace_note(saves[0])):
-            (log.info if note[0] else log.warning)(note[1] if note[0] else f"WARNING: {note[1]}")
-        ray.train.report(
-            {**extra, **state, "checkpoint": str(path), "save_s": saves[-1]},
-            checkpoint=ray.train.Checkpoint.from_directory(str(path)),
-            checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
-        )
-        if metrics:
-            metrics.checkpoint(path, step)
+        report(saver.save(checkpoint.checkpoint_dir(run_dir, step), state, extra, wait=wait))
+
+    def report(completed: list[checkpoint.Saved]) -> None:
+        """Every rank: register checkpoints that have just become complete with Ray (it does once all ranks have)."""
+        for done in completed:
+            saves.append(round(done.total_s, 2))
+            if rank == 0 and len(saves) == 1 and (note := preemption.grace_note(saves[0])):
+                (log.info if note[0] else log.warning)(note[1] if note[0] else f"WARNING: {note[1]}")
+            ray.train.report(
+                {
+                    **done.extra,
+                    **done.state,
+                    "checkpoint": str(done.path),
+                    "save_s": saves[-1],
+                    "save_stall_s": round(done.stall_s, 2),
+                },
+                checkpoint=ray.train.Checkpoint.from_directory(str(done.path)),
+                checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+            )
+            if metrics:
+                metrics.checkpoint(done.path, done.state["global_step"], done.stall_s, done.total_s, done.background)
 
     engine.train()
     last: dict[str, Any] = {}
@@ -159,17 +170,22 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 last = {"loss": window.report(engine, step, epoch, t, world, metrics)}
             if t.eval_every_steps and step % t.eval_every_steps == 0 and eval_set is not None:
                 last["eval_loss"] = evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
-            # Every rank: asked to stop (a SIGTERM, the notice file)? Then all of them save this step and stop.
-            preempted = preempt.agreed() and step < policy.total_steps
-            # Never save weights a NaN step touched.
+            # Every rank: asked to stop (a SIGTERM, the notice file)? Then all of them save this step and stop. The
+            # same exchange completes a background save once every rank's write is on disk.
+            asked, writes = preempt.agreed(saver.status())
+            preempted = asked and step < policy.total_steps
+            report(saver.settle(writes))
+            # Never save weights a NaN step touched. The last save and a preemption's wait until it is complete.
             if guard.healthy and (policy.due(step, step_in_epoch) or preempted):
-                save(step, *policy.position(epoch, step_in_epoch), {**last, "preempted": preempted})
+                final = preempted or policy.stop(step)
+                save(step, *policy.position(epoch, step_in_epoch), {**last, "preempted": preempted}, wait=final)
             step_ended(step)
             if preempted or policy.stop(step):
                 break
         if preempted or policy.stop(step):
             break  # the last step, train.stop_after_steps (a drill's preemption) or a preemption: no further epoch
 
+    report(saver.drain())  # a save still in flight (its step's successors were not healthy) completes
     finished = step >= policy.total_steps
     evaluated_last = t.eval_every_steps and step % t.eval_every_steps == 0
     if finished and eval_set is not None and not evaluated_last:

@@ -316,6 +316,32 @@ def suite_fa4() -> list[Case]:
     ]
 
 
+def suite_ckpt() -> list[Case]:
+    """Issue 19.3: the loop's stall per periodic save, written in the background (the default) and synchronously
+    (`checkpoint.async_save: false`), same checkpoint, ZeRO-3 on 2 GPUs. One save per case: the 8B's (about 96 GB
+    with its optimizer state) fills most of the disk; corpora long enough that the run keeps training while it is
+    written; the harness ends the run once the save is complete."""
+    def case(name: str, shape: str, mb: int, every: int, background: bool, tokens: int, **kw) -> Case:
+        sets = {"checkpoint.every_steps": every, "checkpoint.async_save": background, "checkpoint.keep": 3,
+                "train.max_steps": 100_000}
+        return dataclasses.replace(llama(name, shape, mb, 3, True, saves=1, sets=sets, **kw), corpus_tokens=tokens)
+
+    return [
+        case("l1b-ckpt-async", "llama-1.1b", 16, 10, True, 4_000_000, estimate=90, timeout=200),
+        case("l8b-ckpt-async", "llama-8b", 4, 15, True, 2_500_000, estimate=170, timeout=260),
+        case("l8b-ckpt-sync", "llama-8b", 4, 15, False, 2_500_000, estimate=150, timeout=240),
+        case("l1b-ckpt-sync", "llama-1.1b", 16, 10, False, 4_000_000, estimate=60, timeout=150),
+    ]
+
+
+def suite_ckpt_smoke() -> list[Case]:
+    """The ckpt suite's plumbing on 2 CPU workers (tiny Llama)."""
+    cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1, "data.seq_length": 128,
+           "train.micro_batch_size": 2, "checkpoint.every_steps": 3, "checkpoint.keep": 3, "train.max_steps": 100_000}
+    return [Case(f"smoke-ckpt-{mode}", "tiny-llama", {**cpu, "checkpoint.async_save": mode == "async"},
+                 corpus_tokens=200_000, saves=1, timeout=200) for mode in ("async", "sync")]
+
+
 def suite_smoke() -> list[Case]:
     """CPU plumbing check: 2 CPU workers, tiny shapes; every runner and the checkpoint path once."""
     cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1}
@@ -335,7 +361,7 @@ def suite_smoke() -> list[Case]:
 
 SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke,
           "start": suite_start, "fa4": suite_fa4, "tutorial": suite_tutorial, "start-ab": suite_start_ab,
-          "start-ab2": suite_start_ab2}
+          "start-ab2": suite_start_ab2, "ckpt": suite_ckpt, "ckpt-smoke": lambda: suite_ckpt_smoke()}
 
 
 # ---- configs ---------------------------------------------------------------------------------------------
@@ -539,6 +565,8 @@ def table(results: list[dict[str, Any]]) -> str:
                     f"{r.get('peak_mem_gib')} | {r.get('time_to_first_step_s')} |")
         if r.get("checkpoint"):
             rows.append(f"|   checkpoint | {json.dumps(r['checkpoint'])} |")
+        for save in r.get("saves") or []:
+            rows.append(f"|   save | {json.dumps(save)} |")
     return "\n".join(rows) + "\n"
 
 

@@ -38,6 +38,7 @@ class Case:
     warmup: int = 3
     steps: int = 8
     checkpoint: bool = False  # let the run end, measure its final checkpoint, then time a resume from it
+    saves: int = 0  # measure this many periodic saves (the loop's stall, the write, the bytes), then end the run
     fallback_for: str | None = None  # run only if the case of this name failed (e.g. out of memory)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the run (experiment switches)
     weights: bool = False  # load real (random-valued) safetensors weights instead of `random-init:`
@@ -81,10 +82,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def stop(proc: subprocess.Popen, grace: float = 15) -> None:
+def stop(proc: subprocess.Popen, grace: float = 15, signals=(signal.SIGTERM, signal.SIGKILL)) -> None:
     """End the process session this harness started for one case, and every process it started."""
     tree = [proc.pid] + descendants(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in signals:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -235,15 +236,58 @@ def run_app(case: Case, cfg_path: Path, run_dir: Path, shared_cache: Path, log_p
     metrics = run_dir / "metrics.jsonl"
     need = case.warmup + case.steps
     proc, launch = launch_app(cfg_path, log_path, env, tree)
-    failure = follow(proc, metrics, None if case.checkpoint else need, case.timeout, launch)
+    if case.saves:
+        failure = follow_saves(proc, metrics, case.saves, case.timeout, launch)
+    else:
+        failure = follow(proc, metrics, None if case.checkpoint else need, case.timeout, launch)
     records = read_records(metrics)
     result = summarise(records, case.warmup, launch)
     result["startup"] = startup_phases(metrics, records, launch)
-    if failure and len(records) < need:
+    if failure and (len(records) < need or case.saves):
         result["error"] = f"{failure}: {error_lines(log_path.read_text(errors='replace'))}"
+    if case.saves:
+        result["saves"] = measure_saves(metrics, records)
     if case.checkpoint and not result.get("error"):
         result["checkpoint"] = measure_checkpoint(case, cfg_path, run_dir, records, launch, log_path, env)
     return result
+
+
+def follow_saves(proc: subprocess.Popen, metrics: Path, saves: int, timeout: float, launch: float) -> str | None:
+    """Wait until `saves` checkpoints are complete (their metrics records) and a step after the last is logged,
+    then end the run at once (SIGKILL: a SIGTERM would make the run save once more, as a preemption)."""
+    while True:
+        done = read_records(metrics, "checkpoint")
+        if len(done) >= saves and any(r["step"] > done[saves - 1]["step"] for r in read_records(metrics)):
+            stop(proc, signals=(signal.SIGKILL,))
+            return None
+        if proc.poll() is not None:
+            wait_gpus_free()
+            return f"exit code {proc.returncode} after {len(done)} of {saves} saves"
+        if time.time() - launch > timeout:
+            stop(proc, signals=(signal.SIGKILL,))
+            return f"timed out after {timeout:.0f}s with {len(done)} of {saves} saves"
+        time.sleep(0.5)
+
+
+def measure_saves(metrics: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each periodic save: how long the loop waited (stall_s: the step after it took that much longer), how long
+    until it was complete (total_s: every rank's files on disk, the completion mark written), the bytes it holds
+    (the file list in its trainer_state.json) and the step times while it was being written."""
+    out = []
+    for c in read_records(metrics, "checkpoint"):
+        state = json.loads((Path(c["path"]) / "trainer_state.json").read_text())
+        saved_at = next((r["time"] for r in records if r["step"] == c["step"]), c["time"])
+        during = [r["step_time_s"] for r in records if saved_at < r["time"] <= c["time"] and r["step"] > c["step"] + 1]
+        before = [r["step_time_s"] for r in records if r["step"] < c["step"]][-5:]
+        out.append({
+            "step": c["step"], "background": c["background"], "stall_s": c["stall_s"], "total_s": c["total_s"],
+            "bytes": sum(state["files"].values()), "files": len(state["files"]),
+            "step_after_save_s": next((r["step_time_s"] for r in records if r["step"] == c["step"] + 1), None),
+            "step_s_before": round(statistics.median(before), 4) if before else None,
+            "step_s_while_writing": round(statistics.median(during), 4) if during else None,
+            "steps_while_writing": len(during),
+        })
+    return out
 
 
 def measure_checkpoint(case: Case, cfg_path: Path, run_dir: Path, records: list[dict[str, Any]], launch: float,

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import sys
 import tomllib
+from pathlib import Path
 
+import torch
 from k8s_support import REPO
 
 from app.checkpoint import formats
@@ -150,3 +153,171 @@ def test_save_policy_is_the_one_place_that_decides_saves():
     preempted = SavePolicy(steps_per_epoch=5, total_steps=12, every=None, stop_after=7)
     assert [s for s in range(1, 13) if preempted.due(s, (s - 1) % 5 + 1)] == [5, 7, 8, 9, 10, 11, 12]
     assert not preempted.stop(6) and preempted.stop(7)
+
+
+# --- background saves: ordering, one in flight, a crash mid-write ---------------------------------------------
+
+
+def test_deepspeed_writes_every_checkpoint_file_through_its_checkpoint_engine():
+    """A background save relies on this (formats.checkpoint_engine): each file of engine.save_checkpoint goes
+    through `self.checkpoint_engine.save`, never straight to torch.save."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    for method in (DeepSpeedEngine._save_checkpoint, DeepSpeedEngine._save_zero_checkpoint):
+        source = inspect.getsource(method)
+        assert "self.checkpoint_engine.save(" in source and "torch.save(" not in source, method.__name__
+
+
+class _Engine:
+    """What a Saver uses of a DeepSpeed engine: `save_checkpoint` routes its files through `checkpoint_engine`
+    (checked against DeepSpeed itself above); one optimizer shard of a weight the 'training' changes."""
+
+    class TorchEngine:  # the shape of DeepSpeed's TorchCheckpointEngine
+        zipfile_serialization = True
+
+        def makedirs(self, path, exist_ok=False):
+            os.makedirs(path, exist_ok=exist_ok)
+
+        def save(self, state_dict, path):
+            torch.save(state_dict, path)
+
+    def __init__(self):
+        self.checkpoint_engine = self.TorchEngine()
+        self.weight = torch.zeros(256)
+        self.weight.ds_id = "fp32-group-0"  # DeepSpeed sets attributes on its tensors; torch.save pickles them
+        self.module = torch.nn.Linear(2, 2)
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        folder = Path(save_dir) / tag
+        self.checkpoint_engine.makedirs(folder, exist_ok=True)
+        self.checkpoint_engine.save(
+            {"module": self.module.state_dict(), **client_state}, str(folder / "mp_rank_00_model_states.pt")
+        )
+        self.checkpoint_engine.save(
+            {"fp32": self.weight, "view": self.weight[3:7]}, str(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        )
+
+
+def _saver(engine, background=True):
+    from app.checkpoint import Saver
+
+    return Saver(
+        engine,
+        0,
+        1,
+        lambda: None,
+        lambda p: (p.mkdir(), (p / "config.json").write_text("{}")),
+        None,
+        background=background,
+    )
+
+
+def _state(step):
+    return {"global_step": step, "epoch": 0, "step_in_epoch": step, "world_size": 1}
+
+
+def test_background_save_is_complete_only_once_its_files_are_on_disk(tmp_path):
+    """The loop gets control back while the write is held; no completion mark exists until every file is
+    written, and the files hold the state as it was at the save even though training changed it since."""
+    import threading
+
+    from app import checkpoint
+    from app.checkpoint.saving import IDLE, WRITING
+
+    engine, gate = _Engine(), threading.Event()
+    saver = _saver(engine)
+    saver.writer.before_write = lambda path: gate.wait(10)
+    path = checkpoint.checkpoint_dir(tmp_path, 2)
+    engine.weight.fill_(2.0)
+    assert saver.save(path, _state(2), {"loss": 1.0}) == []
+    engine.weight.fill_(3.0)  # the next step changes the weights while the write is held
+    assert saver.status() == WRITING and saver.settle(WRITING) == []
+    assert not (path / checkpoint.STATE_FILE).exists() and "never finished" in checkpoint.problem(path)
+    gate.set()
+    saver.writer.wait()
+    assert saver.status() == IDLE
+    [done] = saver.settle(IDLE)
+    assert done.path == path and done.background and done.extra == {"loss": 1.0}
+    assert checkpoint.problem(path) is None and not list(path.rglob("*.tmp"))
+    shard = torch.load(path / "ds" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert (shard["fp32"] == 2.0).all() and shard["view"].storage_offset() == 3  # a view of the same storage
+
+
+def test_one_background_save_in_flight_and_same_bytes_as_a_synchronous_one(tmp_path):
+    """The next save first completes the one in flight (returned for its report before the new one starts); the
+    files are byte for byte those of a synchronous save of the same state."""
+    from app import checkpoint
+
+    engine = _Engine()
+    saver = _saver(engine)
+    engine.weight.fill_(1.0)
+    saver.save(checkpoint.checkpoint_dir(tmp_path / "bg", 2), _state(2), {})
+    done = saver.save(checkpoint.checkpoint_dir(tmp_path / "bg", 4), _state(4), {}, wait=True)
+    assert [d.state["global_step"] for d in done] == [2, 4]
+    assert saver.pending is None and checkpoint.problem(checkpoint.checkpoint_dir(tmp_path / "bg", 4)) is None
+    engine.weight.fill_(1.0)
+    [sync] = _saver(engine, background=False).save(checkpoint.checkpoint_dir(tmp_path / "fg", 2), _state(2), {})
+    assert not sync.background
+    bg, fg = (checkpoint.checkpoint_dir(tmp_path / d, 2) / "ds" for d in ("bg", "fg"))
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        assert (bg / name).read_bytes() == (fg / name).read_bytes(), name
+
+
+def test_a_failed_background_write_stops_the_run_with_the_storage_message(tmp_path):
+    import errno
+
+    import pytest
+
+    from app import checkpoint
+    from app.checkpoint.saving import FAILED
+
+    saver = _saver(_Engine())
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    saver.writer.before_write = full
+    path = checkpoint.checkpoint_dir(tmp_path, 2)
+    saver.save(path, _state(2), {})
+    saver.writer.wait()
+    assert saver.status() == FAILED
+    with pytest.raises(checkpoint.CheckpointError, match=f"cannot write checkpoint {path}"):
+        saver.settle(FAILED)
+    assert checkpoint.problem(path) is not None and checkpoint.newest_usable(tmp_path) is None
+
+
+CRASH = r"""
+import os, signal, sys, threading
+from pathlib import Path
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from test_checkpoint import _Engine, _saver, _state
+from app import checkpoint
+run = Path(sys.argv[1])
+engine = _Engine()
+saver = _saver(engine)
+saver.save(checkpoint.checkpoint_dir(run, 2), _state(2), {}, wait=True)
+saver.writer.before_write = lambda path: (print("writing", flush=True), threading.Event().wait())
+saver.save(checkpoint.checkpoint_dir(run, 4), _state(4), {})
+print("training goes on", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as a node loss mid-write would
+"""
+
+
+def test_a_crash_during_a_background_write_leaves_a_folder_resume_skips(tmp_path):
+    """A process killed while its background write runs: the folder of that save has no completion mark, so a
+    resume takes the previous complete checkpoint and removes the partial one."""
+    import subprocess
+
+    from app import checkpoint
+
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH, str(tmp_path), str(REPO), str(REPO / "tests")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -9 and "training goes on" in done.stdout, done.stderr[-3000:]
+    partial = checkpoint.checkpoint_dir(tmp_path, 4)
+    assert partial.is_dir() and "never finished" in checkpoint.problem(partial)
+    assert checkpoint.newest_usable(tmp_path) == checkpoint.checkpoint_dir(tmp_path, 2)
+    assert any("removed step-00000004" in line for line in checkpoint.remove_newer(tmp_path, 2))

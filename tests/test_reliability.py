@@ -159,25 +159,38 @@ def killed(tmp_path_factory, tiny_model) -> Path:
 
 
 def test_worker_sigkill_restarts_group_and_matches_uninterrupted_run(baseline, tmp_path, tiny_model):
-    """Rank 1 SIGKILLs itself after step 5; Ray restarts the worker group within the same run (max_failures=1), it
-    resumes from the last registered checkpoint, says which and which steps it redoes, and ends with exactly the
-    uninterrupted run's losses and weights (tolerance: 1e-6 on losses, bit-equal bf16 weights)."""
+    """Rank 1 SIGKILLs itself after step 7, while its background write of the step-6 checkpoint is still running
+    (held before its optimizer shard; training went on meanwhile). Ray restarts the worker group within the same
+    run (max_failures=1); it resumes from step 4, the last complete checkpoint, removes the step-6 folder that
+    never got its completion mark, says which steps it redoes, and ends with exactly the uninterrupted run's
+    losses and weights (tolerance: 1e-6 on losses, bit-equal bf16 weights)."""
     from safetensors.torch import load_file
 
-    out = train(tmp_path, "crash", tiny_model, env={"FINETUNE_FAULT_KILL_AT_STEP": "5"},
-                **{"scaling.max_failures": 1, "checkpoint.export_final": True})
-    assert "FAULT INJECTION: rank 1" in out and "kills itself with SIGKILL after step 5" in out
+    log, run_dir = tmp_path / "crash.log", tmp_path / "crash"
+    proc = start(tmp_path, "crash", tiny_model, log, env={"FINETUNE_FAULT_KILL_AT_STEP": "7",
+                                                          "FINETUNE_FAULT_SAVE_PAUSE": "mid_shards:600:6"},
+                 **{"scaling.max_failures": 1, "checkpoint.export_final": True})
+    try:
+        wait_until(lambda: (run_dir / ".fault-killed-step-7").exists(), proc, log, what="the kill after step 7")
+        (run_dir / ".fault-continue-mid_shards-6").touch()  # the restarted attempt's own step-6 save goes through
+        wait_until(lambda: proc.poll() is not None, None, log, what="the run to end")
+    finally:
+        left = kill_run(proc)
+    assert left == [], left
+    out = log.read_text(errors="replace")
+    assert proc.returncode == 0, out[-6000:]
+    assert "pauses 600s at mid_shards of the step-6 save" in out and "kills itself with SIGKILL after step 7" in out
     m = resumed_line(out)
-    # Ray registers a report asynchronously, so the last registered checkpoint is step 4 or, if rank 1 died
-    # before Ray took in step 4's report, step 2; the resume takes step 4 either way (complete on storage).
+    # Ray registers a report asynchronously; the resume takes step 4 either way (complete on storage).
     assert m[2] in ("registered by Ray", "complete, newer than Ray's latest"), m[0]
     assert int(m[3]) == 4 and Path(m[1]).name == "step-00000004", m[0]
-    assert m[4].startswith("steps 5..5 (1) that the previous attempt had done are redone"), m[0]
+    assert m[4].startswith("steps 5..7 (3) that the previous attempt had done are redone"), m[0]
+    assert "removed step-00000006, newer than the checkpoint resumed from: it was never finished" in out, out[-6000:]
     assert "done: crash at global step 8" in out
-    full, crashed = losses(baseline), losses(tmp_path / "crash")
+    full, crashed = losses(baseline), losses(run_dir)
     assert sorted(crashed) == list(range(1, 9))
     assert max(abs(full[k] - crashed[k]) for k in full) <= EXACT, (full, crashed)
-    a, b = load_file(baseline / "final" / "model.safetensors"), load_file(tmp_path / "crash" / "final" / "model.safetensors")
+    a, b = load_file(baseline / "final" / "model.safetensors"), load_file(run_dir / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 

@@ -2,6 +2,7 @@
 
 - `layout`: where checkpoints live and when one is complete, from the files alone;
 - `saving`: every rank writes its shards, rank 0 the state file last; clear errors on a full or read-only volume;
+- `background`: the shards copied to host memory and written by a thread while training goes on;
 - `resuming`: the driver's pure `ResumePlan`, rank 0's choice broadcast as a `LoadPlan`, the load itself;
 - `exporting`: a Hugging Face folder from any DeepSpeed checkpoint;
 - `formats`: the only code that touches Ray's or DeepSpeed's private formats (tested against the pinned versions).
@@ -23,10 +24,12 @@ from app.checkpoint.layout import (
     write_atomic,
 )
 from app.checkpoint.resuming import LoadPlan, ResumePlan, choose, remove_newer, restore, resume
-from app.checkpoint.saving import save, storage_error
+from app.checkpoint.saving import Saved, Saver, save, storage_error
 
 __all__ = [
     "STATE_FILE",
+    "Saved",
+    "Saver",
     "TAG",
     "CheckpointError",
     "LoadPlan",

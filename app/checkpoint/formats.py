@@ -3,6 +3,8 @@
 
 - Ray Train's checkpoint manager snapshot (`checkpoint_manager_snapshot.json`, Ray's `_CheckpointManagerState`):
   Ray refuses to start a run whose snapshot names a missing folder, so it is repaired before Ray starts.
+- DeepSpeed's checkpoint engine: `engine.save_checkpoint` hands every file to `engine.checkpoint_engine.save`; a
+  background save swaps in its own engine for that one call.
 - DeepSpeed's universal checkpoint: `ds_to_universal.main` takes its command line as a Namespace, and the engine
   loads a universal checkpoint only when its private `_config.load_universal_checkpoint` is set.
 """
@@ -113,3 +115,15 @@ def loading_universal(engine, universal: bool):
         yield
     finally:
         engine._config.load_universal_checkpoint = False
+
+
+@contextlib.contextmanager
+def checkpoint_engine(engine, replacement):
+    """`engine.save_checkpoint` within this block writes through `replacement` (DeepSpeed's CheckpointEngine
+    interface: create, makedirs, save, commit); the engine's own is back afterwards, for loads too."""
+    original = engine.checkpoint_engine
+    engine.checkpoint_engine = replacement
+    try:
+        yield replacement
+    finally:
+        engine.checkpoint_engine = original
