@@ -114,7 +114,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         background=cfg.checkpoint.async_save,
         group=preempt.group,
     )
-    saver.prepare()
 
     def save(step: int, epoch: int, step_in_epoch: int, extra: dict[str, Any], wait: bool) -> None:
         state = {
@@ -163,6 +162,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         ):
             loss, tokens = train_step(engine, micro_batches, step + 1)
             step += 1
+            saver.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
             guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
             window.add(loss, tokens)

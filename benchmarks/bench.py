@@ -320,15 +320,16 @@ def suite_ckpt() -> list[Case]:
     """Issue 19.3: the loop's stall per periodic save, written in the background (the default) and synchronously
     (`checkpoint.async_save: false`), same checkpoint, ZeRO-3 on 2 GPUs. One save per case: the 8B's (about 96 GB
     with its optimizer state) fills most of the disk; corpora long enough that the run keeps training while it is
-    written; the harness ends the run once the save is complete."""
+    written; the harness ends the run once the save is complete. The first background save comes late enough for
+    the host buffers (allocated ahead after the first step, about 1 GB/s of pinned memory per rank) to be ready."""
     def case(name: str, shape: str, mb: int, every: int, background: bool, tokens: int, **kw) -> Case:
         sets = {"checkpoint.every_steps": every, "checkpoint.async_save": background, "checkpoint.keep": 3,
                 "train.max_steps": 100_000}
         return dataclasses.replace(llama(name, shape, mb, 3, True, saves=1, sets=sets, **kw), corpus_tokens=tokens)
 
     return [
-        case("l1b-ckpt-async", "llama-1.1b", 16, 10, True, 4_000_000, estimate=90, timeout=200),
-        case("l8b-ckpt-async", "llama-8b", 4, 15, True, 2_500_000, estimate=170, timeout=260),
+        case("l1b-ckpt-async", "llama-1.1b", 16, 30, True, 4_000_000, estimate=90, timeout=170),
+        case("l8b-ckpt-async", "llama-8b", 4, 70, True, 2_500_000, estimate=230, timeout=320),
         case("l8b-ckpt-sync", "llama-8b", 4, 15, False, 2_500_000, estimate=150, timeout=240),
         case("l1b-ckpt-sync", "llama-1.1b", 16, 10, False, 4_000_000, estimate=60, timeout=150),
     ]

@@ -186,6 +186,7 @@ class _Engine:
         self.weight = torch.zeros(256)
         self.weight.ds_id = "fp32-group-0"  # DeepSpeed sets attributes on its tensors; torch.save pickles them
         self.module = torch.nn.Linear(2, 2)
+        self.optimizer = type("Optimizer", (), {"state_dict": lambda _: {"fp32": self.weight}})()
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         folder = Path(save_dir) / tag
@@ -226,11 +227,15 @@ def test_background_save_is_complete_only_once_its_files_are_on_disk(tmp_path):
 
     engine, gate = _Engine(), threading.Event()
     saver = _saver(engine)
+    saver.prepare()  # host buffers for the optimizer's state, allocated ahead by the writer thread
+    saver.writer.wait()
+    assert saver.copier.reserved[0] == engine.weight.untyped_storage().nbytes()
     saver.writer.before_write = lambda path: gate.wait(10)
     path = checkpoint.checkpoint_dir(tmp_path, 2)
     engine.weight.fill_(2.0)
     assert saver.save(path, _state(2), {"loss": 1.0}) == []
     engine.weight.fill_(3.0)  # the next step changes the weights while the write is held
+    assert saver.copier.allocated < engine.weight.untyped_storage().nbytes()  # the save used the reserved buffer
     assert saver.status() == WRITING and saver.settle(WRITING) == []
     assert not (path / checkpoint.STATE_FILE).exists() and "never finished" in checkpoint.problem(path)
     gate.set()

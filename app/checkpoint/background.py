@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ class HostCopy:
         self.free: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self.used: list[tuple[tuple[int, bool], torch.Tensor]] = []
         self.lock = threading.Lock()
+        self.reserved = (0, 0.0)  # bytes allocated ahead by `reserve`, and the seconds it took
+        self.allocated = 0  # bytes allocated by `copy` itself (no buffer of that size was free)
 
     @staticmethod
     def storages(obj: Any) -> dict[tuple, torch.Tensor]:
@@ -53,11 +56,14 @@ class HostCopy:
 
     def reserve(self, obj: Any) -> None:
         """Allocate buffers for the storages of `obj` (the optimizer's state: the bulk of a checkpoint)."""
+        started, total = time.perf_counter(), 0
         for t in self.storages(obj).values():
             size = (t.untyped_storage().nbytes(), t.is_cuda)
             buf = torch.empty(size[0], dtype=torch.uint8, pin_memory=size[1])
+            total += size[0]
             with self.lock:
                 self.free.setdefault(size, []).append(buf)
+        self.reserved = (total, time.perf_counter() - started)
 
     def new_bytes(self, obj: Any) -> int:
         """Host memory `copy(obj)` would allocate (storages without a free buffer of their size)."""
@@ -93,6 +99,7 @@ class HostCopy:
             buf = spare.pop() if spare else None
         if buf is None:
             buf = torch.empty(size[0], dtype=torch.uint8, pin_memory=size[1])
+            self.allocated += size[0]
         with self.lock:
             self.used.append((size, buf))
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import logging
+
 import numpy as np
 import torch
 
@@ -39,6 +41,8 @@ from app.checkpoint.layout import (
     step_of,
     write_atomic,
 )
+
+log = logging.getLogger("finetune")
 
 
 def rng_state() -> dict[str, Any]:
@@ -150,12 +154,15 @@ class Saver:
         self.copier = background_mod.HostCopy()
         self.writer = background_mod.Writer(self._before_write) if background else None
         self.pending: tuple[Path, dict[str, Any], dict[str, Any], float, float] | None = None
+        self.prepared = self.logged = False
 
     def prepare(self) -> None:
-        """Allocate the host buffers for the optimizer's state in the background now, while training goes on, so
-        that the first save only copies into them."""
-        if not self.background:
+        """After the first optimizer step (torch's Adam creates its moments there): allocate the host buffers for
+        the optimizer's state in the background, while training goes on, so that the first save only copies into
+        them. Called after every step; does something once."""
+        if not self.background or self.prepared:
             return
+        self.prepared = True
         try:
             state = self.engine.optimizer.state_dict()
         except Exception:  # noqa: BLE001 - no state to size the buffers by: the first save allocates them
@@ -188,6 +195,13 @@ class Saver:
             torch.cuda.synchronize()  # the copies have left the GPU: the next step may change what they copied
         self.writer.seal(*self._written_in_loop(Path(path)))
         self.pending = (Path(path), state, extra, started, time.perf_counter() - started)
+        if self.rank == 0 and not self.logged:
+            self.logged = True
+            (reserved, took), now = self.copier.reserved, self.copier.allocated
+            log.info(
+                f"background checkpoint writes keep {_mib(reserved + now)} of host memory per rank ({_mib(reserved)} "
+                f"allocated ahead in {took:.1f} s, {_mib(now)} during this save)"
+            )
         if not wait:
             return done
         return [*done, *(replace(d, stall_s=d.total_s) for d in self.drain())]  # the loop waited for all of it
