@@ -362,7 +362,7 @@ def suite_smoke() -> list[Case]:
 
 SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke,
           "start": suite_start, "fa4": suite_fa4, "tutorial": suite_tutorial, "start-ab": suite_start_ab,
-          "start-ab2": suite_start_ab2, "ckpt": suite_ckpt, "ckpt-smoke": lambda: suite_ckpt_smoke()}
+          "start-ab2": suite_start_ab2, "ckpt": suite_ckpt, "ckpt-smoke": suite_ckpt_smoke}
 
 
 # ---- configs ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def _configs(tmp_path, cases):
 
 def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
     cases = {c.name + "/" + suite: c for suite in ("explore", "gpu", "tune", "final", "prefetch", "confirm", "peer", "peer1", "peer2",
-                                                   "start", "tutorial", "start-ab", "start-ab2")
+                                                   "start", "tutorial", "start-ab", "start-ab2", "ckpt")
              for c in bench.SUITES[suite]()}
     seen = 0
     for case, knobs in _configs(tmp_path, cases.values()):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -19,8 +20,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
-
-import logging
 
 import numpy as np
 import torch
