@@ -144,8 +144,9 @@ def kill_mid_save(storage: Path, name: str, model: Path, phase: str, step: int =
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory, tiny_model) -> Path:
     """Storage holding experiment `killed`: a run SIGKILLed (driver, Ray and workers) while rank 1 was writing
-    its shard of the step-6 checkpoint. Steps 2 and 4 are complete and registered, step-6 is partial, and the
-    dead run's lease is still there. Tests copy it; nobody writes it."""
+    its shard of the step-6 checkpoint (in the background: training went on meanwhile, up to step 8, whose
+    save waits for it). Steps 2 and 4 are complete and registered, step-6 is partial, and the dead run's lease
+    is still there. Tests copy it; nobody writes it."""
     storage = tmp_path_factory.mktemp("killed")
     _, left = kill_mid_save(storage, "killed", tiny_model, "mid_shards")
     assert left == [], f"processes of the killed run still alive: {left}"
