@@ -206,8 +206,11 @@ def cmd_preempt(args) -> int:
           "flight and stop", flush=True)
     if args.wait <= 0:
         return 0
-    if preemption.wait_for_release(run_dir, token, args.wait):
+    ended = preemption.wait_for_release(run_dir, token, args.wait)
+    if ended == "released":
         print(f"the run stopped and released {run_dir}")
+    elif ended:
+        print(f"the run holding {run_dir} {ended}: it resumes from its last complete checkpoint")
     else:
         print(f"the run still holds {run_dir} after {args.wait:.0f} s; it resumes from its last complete checkpoint")
     return 0

@@ -77,7 +77,7 @@ class Lease:
             holder, age = self.read()
             if holder is None:
                 continue  # released or being replaced between our two calls: try again
-            if self._stale(holder, age):
+            if self.stale(holder, age):
                 if self._take_over():
                     break
                 continue
@@ -116,7 +116,7 @@ class Lease:
             return False
         try:
             holder, age = self.read()  # judged again under the lock: it may have been taken over already
-            why = self._stale(holder, age) if holder is not None else None
+            why = self.stale(holder, age) if holder is not None else None
             if why:
                 self.path.unlink(missing_ok=True)
                 log.warning(f"took over the lease of a run that {why}: {holder}")
@@ -124,7 +124,7 @@ class Lease:
         finally:
             lock.unlink(missing_ok=True)
 
-    def _stale(self, holder: dict, age: float) -> str | None:
+    def stale(self, holder: dict, age: float) -> str | None:
         """Why the holder no longer holds the lease, or None while it may still be alive."""
         if age > self._limit(holder):
             return f"stopped heart-beating {age:.0f}s ago"

@@ -173,13 +173,26 @@ def seconds(s: float) -> str:
     return f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
 
 
-def wait_for_release(run_dir: Path, token: str | None, timeout_s: float, poll_s: float = 1.0) -> bool:
-    """Until the run holding `token` has let go of the experiment's lease (it saved and stopped); False on timeout."""
-    from app.lease import holds
+def wait_for_release(run_dir: Path, token: str | None, timeout_s: float, poll_s: float = 1.0,
+                     gone_every_s: float = 10.0) -> str | None:
+    """Until the run holding `token` has let go of the experiment's lease (it saved and stopped): "released"; or
+    until it is certainly dead without letting go (the lease's own rule: no heartbeat within its timeout, or its
+    process or RayJob gone, looked at every `gone_every_s`): why. None when it still holds the lease after
+    `timeout_s`. Waiting out the grace period for a dead run would only keep its pod (and GPUs) terminating:
+    deleting a RayJob stops its driver within seconds, and KubeRay deletes the pods after that."""
+    from app.lease import Lease
 
+    lease = Lease(run_dir, 0)  # read-only: the holder's own timeout decides staleness
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not holds(run_dir, token):
-            return True
+    look_gone = time.monotonic()
+    while True:
+        holder, age = lease.read()
+        if not holder or holder.get("token") != token:
+            return "released"
+        if time.monotonic() >= look_gone:
+            if why := lease.stale(holder, age):
+                return why
+            look_gone = time.monotonic() + gone_every_s
+        if time.monotonic() >= deadline:
+            return None
         time.sleep(poll_s)
-    return not holds(run_dir, token)

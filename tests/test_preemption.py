@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -48,6 +50,19 @@ def test_preempt_command_asks_the_holder_and_waits_for_its_release(tmp_path):
     out = run_cli("preempt", str(tmp_path), "--wait", "1", timeout=60)
     assert out.returncode == 0 and "still holds" in out.stdout, out.stdout  # the kubelet goes on regardless
     lease.release()
+
+
+def test_preempt_command_stops_waiting_for_a_run_that_died(tmp_path):
+    """A holder that ended without releasing its lease (SIGKILLed: `ray job stop` escalates after 3 s, and a
+    deleted RayJob's pods get their preStop after that): the hook says so and returns instead of keeping the pod
+    terminating for the whole grace period."""
+    holder = "import os, sys; from app.lease import Lease; Lease(sys.argv[1], 600).acquire(); os._exit(0)"
+    subprocess.run([sys.executable, "-c", holder, str(tmp_path)], check=True, timeout=60)
+    t0 = time.monotonic()
+    out = run_cli("preempt", str(tmp_path), "--wait", "120", timeout=180)
+    assert out.returncode == 0 and "which has ended: it resumes from its last complete" in out.stdout, \
+        out.stdout + out.stderr
+    assert time.monotonic() - t0 < 60
 
 
 def test_grace_note(monkeypatch):

@@ -13,11 +13,22 @@ What it does, as a kubelet would (and what it does not):
   mountPaths (configMap, secret, downwardAPI and projected service-account tokens as files, emptyDir as a
   folder per pod, a claim as its shared folder), the env (value, valueFrom fieldRef / resourceFieldRef /
   configMapKeyRef / secretKeyRef, envFrom, $(VAR) expansion), command + args exactly as written; init
-  containers in order first; exec / httpGet / tcpSocket probes; restartPolicy;
-- phase, conditions, container statuses with exit codes and restart counts through pods/status; on delete,
-  SIGTERM then SIGKILL after the grace period to every process of the pod, then the final delete (grace 0).
+  containers in order first; exec / httpGet / tcpSocket probes; restartPolicy; when a container's first
+  process ends, the rest of its processes are SIGKILLed (as the kernel does when a PID namespace's init ends);
+- phase, conditions, container statuses with exit codes and restart counts through pods/status;
+- a deleted pod (deletionTimestamp) ends as kubelet 1.35 ends it (kuberuntime killContainer, every container at
+  once): the grace period is deletionGracePeriodSeconds (else terminationGracePeriodSeconds, else 30; at least
+  1, the kubelet's floor, which a force-deleted pod gets); the container's preStop hook (exec in the
+  container's namespaces with its env, httpGet, sleep) runs for at most that long; then SIGTERM to the
+  container's first process, the rest of the grace period (at least 2 s), SIGKILL; the final container
+  statuses and phase; then the final delete (grace 0).
 Not done: images (the venv is the image), users (processes run as this process's user), cgroup limits,
 NetworkPolicy, pods of other namespaces (left Pending), GPUs (the Node has none, so such pods stay Pending).
+Stood in for: a PID namespace per container. The container's first process has the runner's PID namespace, so
+the kernel's rule for a namespace's init (a signal it has no handler for is not delivered, SIGKILL always is) is
+applied by the runner: it sends the SIGTERM only when /proc/PID/status shows a handler for it (KubeRay's
+`bash -c "ulimit ...; ray start ... --block"` is `ray start` itself once bash has exec'd its last command, and
+`ray start --block` handles SIGTERM: it stops the node's Ray processes and exits 1).
 """
 
 from __future__ import annotations
@@ -188,6 +199,8 @@ class Container:
     started: bool = False
     probe_counts: dict = field(default_factory=dict)
     log: Path | None = None
+    mnt: int | None = None  # the container's mount namespace: which processes of the pod are this container's
+    env: dict = field(default_factory=dict)  # as it started: an exec (probe, hook) gets the same
 
     @property
     def name(self) -> str:
@@ -251,6 +264,8 @@ class Pod:
                 if self.terminating:
                     return
             self.initialized = True
+            if self.terminating:
+                return
             for c in self.main:
                 self._start(c)
             self.phase = "Running"
@@ -260,6 +275,12 @@ class Pod:
             self.runner.errors.append(f"pod {self.ns}/{self.name}: {traceback.format_exc()}")
             self.phase = "Failed"
             self._try(self.write_status)
+        finally:
+            # The containers were started from this thread with PR_SET_PDEATHSIG, which fires when the thread (not
+            # the process) ends: it stays until they have ended, also while a deleted pod's preStop hooks run.
+            for c in self.init + self.main:
+                if c.proc is not None:
+                    c.proc.wait()
 
     def _backoff(self, c: Container) -> None:
         deadline = time.monotonic() + min(10 * 2 ** max(c.restarts - 1, 0), 60)
@@ -301,16 +322,20 @@ class Pod:
             time.sleep(POLL_S)
 
     def _exited(self, c: Container, code: int) -> None:
-        # A signal shows as 128 + signal, as a container runtime reports it.
-        c.exit_code = code if code >= 0 else 128 - code
-        c.reason = "Completed" if c.exit_code == 0 else "Error"
-        c.finished_at = now()
-        c.ready = False
-        c.started = False
+        with self.lock:  # the supervisor and a termination may both see the end: recorded once
+            if c.exit_code is not None:
+                return
+            # A signal shows as 128 + signal, as a container runtime reports it.
+            c.exit_code = code if code >= 0 else 128 - code
+            c.reason = "Completed" if c.exit_code == 0 else "Error"
+            c.finished_at = now()
+            c.ready = False
+            c.started = False
+        self._kill_container(c)  # the init of a PID namespace ended: the kernel kills the rest of it
 
     # processes
     def _start(self, c: Container) -> None:
-        env = self.runner.container_env(self, c.spec)
+        env = c.env = self.runner.container_env(self, c.spec)
         argv = expand(c.spec.get("command", []), env) + expand(c.spec.get("args", []), env)
         if not argv:
             raise RuntimeError(f"container {c.name} has no command: the image's entrypoint is not known here")
@@ -330,9 +355,94 @@ class Pod:
         log.close()
         c.started_at = now()
         c.started = not c.spec.get("startupProbe")
+        c.mnt = None
+        own = _ns_inode(os.getpid(), "mnt")
+        deadline = time.monotonic() + 10
+        while c.proc.poll() is None and time.monotonic() < deadline:  # until unshare made its namespace
+            mnt = _ns_inode(c.proc.pid, "mnt")
+            if mnt and mnt != own:
+                c.mnt = mnt
+                break
+            time.sleep(0.01)
+
+    def terminate(self, grace: float) -> None:
+        """A deleted pod, as the kubelet ends it: every running container at once is stopped with its preStop
+        hook and the grace period (`_stop_container`), then the final status, then what is left goes."""
+        self.terminating = True
+        grace = max(1, int(grace))  # pod_workers.calculateEffectiveGracePeriod: never below 1 s
+        with self.lock:
+            running = [c for c in self.init + self.main if c.proc is not None and c.exit_code is None]
+        threads = [threading.Thread(target=self._stop_container, args=(c, grace), daemon=True) for c in running]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any(c.exit_code is not None for c in self.main):
+            self.phase = "Succeeded" if all(c.exit_code == 0 for c in self.main) else "Failed"
+        self._try(self.write_status)
+        self.kill(0)
+
+    def _stop_container(self, c: Container, grace: int) -> None:
+        """kuberuntime killContainer: the preStop hook for at most the grace period, then the runtime's
+        StopContainer with what is left of it (at least 2 s): SIGTERM to the first process, SIGKILL at the end."""
+        t0 = time.monotonic()
+        hook = (c.spec.get("lifecycle") or {}).get("preStop")
+        if hook and not c.init:
+            self._pre_stop(c, hook, grace)
+        remaining = max(grace - int(time.monotonic() - t0), 2)  # minimumGracePeriodInSeconds
+        pid = c.proc.pid
+        if c.proc.poll() is None and _handles(pid, signal.SIGTERM):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        elif c.proc.poll() is None:
+            self.runner.note(f"{self.ns}/{self.name}/{c.name}: pid {pid} has no SIGTERM handler; as a PID "
+                             f"namespace's init it would not get the signal: SIGKILL after {remaining} s")
+        try:
+            code = c.proc.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            self._kill_container(c)
+            code = c.proc.wait()
+        self._exited(c, code)
+        self._try(self.write_status)
+
+    def _pre_stop(self, c: Container, hook: dict, grace: int) -> None:
+        """The preStop handler, as the kubelet runs it; a failure is noted (the kubelet's FailedPreStopHook event)
+        and the container is stopped anyway. An exec hook still running at the end of the grace period goes
+        with the container (it runs in the container's namespaces)."""
+        try:
+            if "exec" in hook:
+                with open(self.dir / f"{c.name}.preStop.log", "ab") as log:
+                    proc = subprocess.Popen(
+                        ["nsenter", "-t", str(c.proc.pid), "-m", "-n", "-u", "--", *hook["exec"]["command"]],
+                        env=c.env, cwd=c.spec.get("workingDir") or str(REPO),
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                try:
+                    ok = proc.wait(timeout=grace) == 0
+                except subprocess.TimeoutExpired:
+                    self.runner.note(f"{self.ns}/{self.name}/{c.name}: preStop hook still running after {grace} s")
+                    return
+            elif "sleep" in hook:
+                time.sleep(min(hook["sleep"]["seconds"], grace))
+                ok = True
+            else:
+                get = hook["httpGet"]
+                conn = http.client.HTTPConnection(get.get("host") or self.ip, self._port(c, get["port"]), timeout=grace)
+                try:
+                    conn.request("GET", get.get("path", "/"))
+                    ok = 200 <= conn.getresponse().status < 400
+                finally:
+                    conn.close()
+        except (OSError, http.client.HTTPException) as exc:
+            self.runner.note(f"{self.ns}/{self.name}/{c.name}: preStop hook: {exc}")
+            ok = False
+        if not ok:
+            self.runner.note(f"{self.ns}/{self.name}/{c.name}: FailedPreStopHook")
 
     def kill(self, grace: float) -> None:
-        """SIGTERM to every process in the pod's network namespace, SIGKILL to what is left after `grace`."""
+        """The runner's own clean-up (at its stop, and what a terminated pod left): SIGTERM to every process in the
+        pod's network namespace, SIGKILL to what is left after `grace`; then the namespace goes."""
         self.terminating = True
         deadline = time.monotonic() + grace
         sent = False
@@ -424,7 +534,8 @@ class Pod:
             self._kill_container(c)
 
     def _kill_container(self, c: Container) -> None:
-        mnt = _ns_inode(c.proc.pid, "mnt")
+        """SIGKILL to every process of the container (those in its mount namespace), as to a PID namespace."""
+        mnt = c.mnt or _ns_inode(c.proc.pid, "mnt")
         for pid in self.pids():
             if mnt and _ns_inode(pid, "mnt") == mnt:
                 try:
@@ -436,9 +547,8 @@ class Pod:
         timeout = probe.get("timeoutSeconds", 1)
         try:
             if "exec" in probe:
-                env = self.runner.container_env(self, c.spec)
                 out = subprocess.run(["nsenter", "-t", str(c.proc.pid), "-m", "-n", "-u", "--",
-                                      *probe["exec"]["command"]], env=env, capture_output=True, timeout=timeout,
+                                      *probe["exec"]["command"]], env=c.env, capture_output=True, timeout=timeout,
                                      cwd=c.spec.get("workingDir") or str(REPO))
                 return out.returncode == 0
             if "httpGet" in probe:
@@ -493,6 +603,17 @@ class Pod:
             fn()
         except (ApiError, OSError) as exc:
             self.runner.note(f"{self.ns}/{self.name}: {exc}")
+
+
+def _handles(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for `sig` (SigCgt in /proc/PID/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _ns_inode(pid: int, kind: str) -> int | None:
@@ -707,16 +828,18 @@ class PodRunner:
             pod.obj = obj
             if meta.get("deletionTimestamp") and not pod.terminating:
                 grace = meta.get("deletionGracePeriodSeconds", obj["spec"].get("terminationGracePeriodSeconds", 30))
+                pod.terminating = True
                 threading.Thread(target=self._delete, args=(pod, grace), daemon=True).start()
         for uid, pod in list(self.pods.items()):
-            if uid not in seen and not pod.terminating:  # gone from the API (force-deleted, or its node)
-                threading.Thread(target=self._delete, args=(pod, 0), daemon=True).start()
+            if uid not in seen and not pod.terminating:  # gone from the API (force-deleted): the kubelet's 1 s
+                pod.terminating = True
+                threading.Thread(target=self._delete, args=(pod, 1), daemon=True).start()
             if pod.done.is_set():
                 del self.pods[uid]
         self._refresh_dns(listed)
 
     def _delete(self, pod: Pod, grace: float) -> None:
-        pod.kill(grace)
+        pod.terminate(grace)
         self._finalize(pod.obj)
 
     def _finalize(self, obj: dict) -> None:
@@ -936,6 +1059,26 @@ class PodRunner:
                 if ready or svc["spec"].get("publishNotReadyAddresses"):
                     out[svc["metadata"]["name"]] = pod.ip
                     break
+        return out
+
+    def running(self, ns: str, name: str) -> bool:
+        """Whether a pod of that name still has processes (or has not been cleaned up) on this runner."""
+        return any(p.ns == ns and p.name == name and not p.done.is_set() for p in list(self.pods.values()))
+
+    def pods_running(self, ns: str, title: str) -> list[str]:
+        """Names of the live pods of `ns` with a process whose command line starts with `title` (Ray titles its
+        workers' processes, e.g. ray::RayTrainWorker for a Ray Train rank)."""
+        out = []
+        for pod in list(self.pods.values()):
+            if pod.ns != ns or pod.terminating:
+                continue
+            for pid in pod.pids():
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title.encode()):
+                        out.append(pod.name)
+                        break
+                except OSError:
+                    pass
         return out
 
     def logs(self, ns: str, name_prefix: str = "") -> str:

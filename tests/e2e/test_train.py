@@ -2,7 +2,9 @@
 of examples/values-cpu.yaml and `kubectl apply -k` of examples/k8s-cpu-overlay (KubeRay's RayCluster with a
 head and two CPU workers, its submitter running `finetune train` on the head with Ray's token; the RayJob ends
 Succeeded, the final model loads, `finetune status` shows the finished job and its progress), in a namespace
-that enforces Pod Security "restricted"; a redeploy resumes at the checkpoint; a deleted worker pod recovers."""
+that enforces Pod Security "restricted"; a redeploy resumes at the checkpoint; a worker pod lost at once recovers
+from the last checkpoint; a worker pod deleted gracefully (a preemption) saves its step in flight and the retry
+redoes nothing."""
 
 from __future__ import annotations
 
@@ -197,6 +199,14 @@ def runs(run: Path) -> list[list[int]]:
     return [r for r in out if r]
 
 
+def rank_worker(cluster, runner, ns: str, ray_cluster: str) -> dict:
+    """A worker pod that runs a Ray Train rank (with values-cpu.yaml the head has a CPU, so one rank may run there)."""
+    workers = running_pods(cluster, ns, f"ray.io/cluster={ray_cluster},ray.io/node-type=worker", 2)
+    ranked = runner.pods_running(ns, "ray::RayTrainWorker")
+    return next((p for p in workers if p["metadata"]["name"] in ranked), None) or \
+        pytest.fail(f"no worker pod runs a rank: {ranked}")
+
+
 def log_every() -> int:
     return yaml.safe_load(CPU_VALUES[0].read_text())["training"]["train"]["log_every_steps"]
 
@@ -211,10 +221,12 @@ def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, pod_runner, tiny
     paused(run, "before_shards", 15)
     registered(run, 10)
     first = support.job_status(cluster, ns, "ft")["rayClusterName"]
+    t0 = time.monotonic()
     cluster.kubectl("delete", "rayjob", "ft", "-n", ns)
     cluster.helm("uninstall", "ft", "-n", ns)
     support.wait_for(lambda: not support.get(cluster, "pods", ns, selector=f"ray.io/cluster={first}")["items"],
-                     "the first cluster's pods gone")
+                     "the first cluster's pods gone", timeout=300)
+    print(f"\nRayJob deleted -> the first cluster's pods gone: {time.monotonic() - t0:.0f} s")
 
     install(cluster, ns)  # the same release name, without the fault
     status = wait_job_end(cluster, pod_runner, ns, "ft")
@@ -231,9 +243,12 @@ def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, pod_runner, tiny
 
 
 def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_model):
-    """A worker pod deleted while the job trains (rank 0 held at the start of step 15's save, after the
-    checkpoint of step 10): the operator replaces the pod, the run recovers (a KubeRay retry: a new cluster
-    that resumes from step 10) and finishes; no complete checkpoint is lost. Prints deletion -> training again."""
+    """A worker pod that runs a rank lost at once (force-deleted, as its node's loss ends it: the kubelet's 1 s
+    floor, too short for the preStop hook to save anything) while the job trains (rank 0 held at the start of step
+    15's save, after the checkpoint of step 10, until the pod's processes are gone): the operator replaces the
+    pod; the run recovers from step 10 (Ray Train restarts its worker group in the same job when `ray start`'s
+    SIGTERM handler drains the node; otherwise the RayJob's retry starts a new cluster) and finishes; no complete
+    checkpoint is lost. Prints deletion -> training again."""
     ns = namespace
     run = put_model(pod_runner, ns, "ft", tiny_model) / "ft"
     install(cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15"))
@@ -241,27 +256,72 @@ def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_mode
     registered(run, 10)
     complete = sorted(p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists())
     ray_cluster = support.job_status(cluster, ns, "ft")["rayClusterName"]
-    worker = running_pods(cluster, ns, f"ray.io/cluster={ray_cluster},ray.io/node-type=worker", 2)[0]
-    logged = sum(1 for m in metrics(run) if m.get("kind") == "train")
+    name = rank_worker(cluster, pod_runner, ns, ray_cluster)["metadata"]["name"]
     t_delete = time.monotonic()
-    cluster.kubectl("delete", "pod", worker["metadata"]["name"], "-n", ns, "--wait=false")
-    (run / ".fault-continue-before_shards-15").touch()  # the retried attempt passes step 15 without a pause
-
-    def training_again():
-        return sum(1 for m in metrics(run) if m.get("kind") == "train") > logged
-    support.wait_for(training_again, "a training step after the worker pod was deleted", timeout=TRAIN_TIMEOUT_S)
+    cluster.kubectl("delete", "pod", name, "-n", ns, "--grace-period=0", "--force")
+    support.wait_for(lambda: not pod_runner.running(ns, name), f"pod {name}'s processes gone")
+    (run / ".fault-continue-before_shards-15").touch()  # the next attempt passes step 15 without a pause
+    support.wait_for(lambda: len(runs(run)) > 1, "a training step after the worker pod was lost", timeout=TRAIN_TIMEOUT_S)
     print(f"\nworker pod deleted -> training again: {time.monotonic() - t_delete:.0f} s")
 
     status = wait_job_end(cluster, pod_runner, ns, "ft")
     assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
         f"{status}\n{pod_runner.logs(ns)[-30000:]}"
-    after = runs(run)[-1]
-    assert after[-1] == total_steps(CPU_VALUES[0]), runs(run)
+    before, after = runs(run)[0], runs(run)[-1]
+    assert 10 <= before[-1] < 15 and 10 < after[0] <= 10 + log_every(), runs(run)
+    assert after[-1] == total_steps(CPU_VALUES[0]) and after == sorted(set(after)), runs(run)
     print(f"recovered by: {status.get('failed') or 0} KubeRay retries, {len(runs(run))} training attempts")
     still = {p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists()}
     keep = yaml.safe_load(CPU_VALUES[0].read_text())["training"]["checkpoint"]["keep"]
     # Kept checkpoints rotate (keep N), so an old one may go: but only for newer complete ones.
     assert len(still) >= min(keep, len(complete)) and max(still) >= max(complete), (complete, sorted(still))
+
+
+def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_nothing(
+        cluster, namespace, pod_runner, tiny_model):
+    """`kubectl delete pod` of a worker while the job trains, with the chart's grace period (a preemption: a
+    node drain, a spot reclaim). The kubelet runs the pod's preStop hook, `finetune preempt`, which asks the run
+    to stop; rank 0 is held in step 10's save until that notice is there, so the step in flight is 11, not a
+    periodic checkpoint step. Every rank finishes step 11, the run writes its checkpoint, releases the lease and
+    exits 4 ("preempted at step 11"); the hook returns and the kubelet's SIGTERM ends the pod long before its
+    grace period; the RayJob's retry (backoffLimit) starts a new cluster whose run resumes at step 12 and
+    finishes: no step redone, none skipped, no complete checkpoint lost."""
+    ns = namespace
+    run = put_model(pod_runner, ns, "ft", tiny_model) / "ft"
+    install(cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_report:600:10")
+            + ["training.train.log_every_steps=1"])  # every step in metrics.jsonl: which ran, in which attempt
+    paused(run, "before_report", 10)
+    complete = sorted(p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists())
+    ray_cluster = support.job_status(cluster, ns, "ft")["rayClusterName"]
+    worker = rank_worker(cluster, pod_runner, ns, ray_cluster)
+    name, grace = worker["metadata"]["name"], worker["spec"]["terminationGracePeriodSeconds"]
+    t_delete = time.monotonic()
+    cluster.kubectl("delete", "pod", name, "-n", ns, "--wait=false")  # the default: the pod's grace period
+
+    notice = run / ".preempt"
+    support.wait_for(notice.exists, f"the notice of {name}'s preStop hook ({notice})", timeout=120)
+    assert name in json.loads(notice.read_text())["by"]
+    (run / ".fault-continue-before_report-10").touch()
+
+    def gone():
+        pods = support.get(cluster, "pods", ns)
+        return pods is not None and name not in {p["metadata"]["name"] for p in pods["items"]}
+    support.wait_for(gone, f"worker pod {name} gone", timeout=grace)
+    t_gone = time.monotonic() - t_delete
+
+    status = wait_job_end(cluster, pod_runner, ns, "ft")
+    logs = pod_runner.logs(ns)
+    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
+        f"{status}\n{logs[-30000:]}"
+    assert "preempted at step 11, checkpoint written in" in logs and "to resume at step 12" in logs, logs[-30000:]
+    assert runs(run) == [list(range(1, 12)), list(range(12, total_steps(CPU_VALUES[0]) + 1))], runs(run)
+    assert status.get("failed") == 1, status  # one KubeRay retry: the preempted attempt
+    still = {p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists()}
+    keep = yaml.safe_load(CPU_VALUES[0].read_text())["training"]["checkpoint"]["keep"]
+    assert "step-00000011" in still and len(still) == keep and max(still) > max(complete), (complete, sorted(still))
+    assert t_gone < grace / 2, f"pod {name} took {t_gone:.0f} s of its {grace} s grace period to end"
+    print(f"\nworker pod deleted (grace {grace} s) -> pod gone {t_gone:.0f} s -> job complete "
+          f"{time.monotonic() - t_delete:.0f} s; preempted at step 11, resumed at 12 after 1 KubeRay retry")
 
 
 def test_restricted_namespace_trains(cluster, namespace, pod_runner, tiny_model):
