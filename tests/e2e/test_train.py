@@ -281,16 +281,17 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
         cluster, namespace, pod_runner, tiny_model):
     """`kubectl delete pod` of a worker while the job trains, with the chart's grace period (a preemption: a
     node drain, a spot reclaim). The kubelet runs the pod's preStop hook, `finetune preempt`, which asks the run
-    to stop; rank 0 is held in step 10's save until that notice is there, so the step in flight is 11, not a
+    to stop; rank 0 is held at the start of step 10's save (in the loop, before the state is copied for the
+    background write) until that notice is there, so the step in flight is 11, not a
     periodic checkpoint step. Every rank finishes step 11, the run writes its checkpoint, releases the lease and
     exits 4 ("preempted at step 11"); the hook returns and the kubelet's SIGTERM ends the pod long before its
     grace period; the RayJob's retry (backoffLimit) starts a new cluster whose run resumes at step 12 and
     finishes: no step redone, none skipped, no complete checkpoint lost."""
     ns = namespace
     run = put_model(pod_runner, ns, "ft", tiny_model) / "ft"
-    install(cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_report:600:10")
+    install(cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:10")
             + ["training.train.log_every_steps=1"])  # every step in metrics.jsonl: which ran, in which attempt
-    paused(run, "before_report", 10)
+    paused(run, "before_shards", 10)
     complete = sorted(p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists())
     ray_cluster = support.job_status(cluster, ns, "ft")["rayClusterName"]
     worker = rank_worker(cluster, pod_runner, ns, ray_cluster)
@@ -301,7 +302,7 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
     notice = run / ".preempt"
     support.wait_for(notice.exists, f"the notice of {name}'s preStop hook ({notice})", timeout=120)
     assert name in json.loads(notice.read_text())["by"]
-    (run / ".fault-continue-before_report-10").touch()
+    (run / ".fault-continue-before_shards-10").touch()
 
     def gone():
         pods = support.get(cluster, "pods", ns)
