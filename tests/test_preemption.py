@@ -39,12 +39,20 @@ def test_preempt_command_without_a_run(tmp_path):
 
 def test_preempt_command_asks_the_holder_and_waits_for_its_release(tmp_path):
     lease = Lease(tmp_path, 600, on_lost=lambda *_: None).acquire()
-    released = threading.Timer(3, lease.release)
-    released.start()
-    t0 = time.monotonic()
+    asked_at = []
+
+    def holder():  # the run: it sees the notice after a step, saves (1 s here) and releases
+        deadline = time.monotonic() + 90
+        while not (tmp_path / ".preempt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        asked_at.append(time.monotonic())
+        time.sleep(1)
+        lease.release()
+
+    threading.Thread(target=holder, daemon=True).start()
     out = run_cli("preempt", str(tmp_path), "--wait", "60", timeout=120)
     assert out.returncode == 0 and "the run stopped and released" in out.stdout, out.stdout + out.stderr
-    assert 2 < time.monotonic() - t0 < 60
+    assert asked_at and 0.9 < time.monotonic() - asked_at[0] < 60  # it waited for the release, not longer
     assert json.loads((tmp_path / ".preempt").read_text())["token"] == lease.token
     lease = Lease(tmp_path, 600, on_lost=lambda *_: None).acquire()
     out = run_cli("preempt", str(tmp_path), "--wait", "1", timeout=60)
