@@ -12,6 +12,9 @@ class Problem(Exception):
         self.field, self.value, self.message, self.fix = field, value, message, fix
         super().__init__(str(self))
 
+    def __reduce__(self):  # raised in a Ray worker, it travels to the driver pickled: keep the four parts
+        return type(self), (self.field, self.value, self.message, self.fix)
+
     def __str__(self) -> str:
         text = f"{self.field}: {self.message} (got {_short(self.value)})"
         return f"{text}. Fix: {self.fix}" if self.fix else text
@@ -23,6 +26,9 @@ class ConfigError(Exception):
     def __init__(self, problems: list[Problem]):
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
+
+    def __reduce__(self):
+        return type(self), (self.problems,)
 
 
 def _short(value: Any) -> str:
