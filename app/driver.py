@@ -7,6 +7,7 @@ RayJob's entrypoint runs this on the head and Ray connects to the cluster.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -77,13 +78,20 @@ def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Pro
 
 
 def compile_problems(cfg: TrainingConfig) -> list[Problem]:
-    """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks.md, run C):
-    refuse it here rather than after the cluster and the model are up."""
+    """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks.md, run C;
+    DeepCompile too, run O): refuse it here rather than after the cluster and the model are up. FP8 compiles its
+    own casts and needs torchao (in the image)."""
     liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
     if cfg.model.compile and liger and cfg.deepspeed.zero3:
         return [Problem("model.compile", True, "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
                         "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
                         "set model.compile=false (the default), or model.liger_kernels=false")]
+    if cfg.model.fp8 and cfg.model.compile:
+        return [Problem("model.fp8", True, "FP8 compiles its own casts; inside model.compile's whole-model graph it is untried",
+                        "set model.compile=false, or model.fp8=false")]
+    if cfg.model.fp8 and importlib.util.find_spec("torchao") is None:
+        return [Problem("model.fp8", True, "torchao is not installed here (the image has it)",
+                        "pip install torchao, or set model.fp8=false")]
     return []
 
 

@@ -122,6 +122,8 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: 
     del keep_alive
     if use_liger(cfg):
         _apply_liger(model, required=cfg.liger_kernels is True)
+    if cfg.fp8:
+        _apply_fp8(model, compiled=torch.cuda.is_available())
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -150,6 +152,49 @@ def _apply_liger(model, required: bool) -> None:
                           "set model.liger_kernels to auto or false")
         return
     _apply_liger_kernel_to_instance(model=model)
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
+
+
+def _apply_fp8(model, compiled: bool) -> None:
+    """FP8 matmuls for the decoder layers' linear layers through torchao's float8 training (dynamic tensorwise
+    scales; the weights, gradients and optimizer stay bf16/fp32, only each matmul's inputs are cast). The output
+    head stays bf16: Liger's fused loss reads its weight directly. `compiled`: the cast-and-matmul function (not
+    the module, whose hooks ZeRO-3 owns) goes through torch.compile, which fuses each cast into one kernel (eager,
+    the casts made steps 1.8-2.4x slower than bf16: docs/benchmarks.md); the modules share one matmul config so
+    that a compiled graph serves every layer of the same shape."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability()
+        raise Problem("model.fp8", True, f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has "
+                      "no FP8 tensor cores", "set model.fp8=false, or run on GPUs of compute capability 8.9 or newer")
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+
+    head = model.get_output_embeddings()
+    convert_to_float8_training(
+        model,
+        module_filter_fn=lambda mod, _: mod is not head and mod.in_features % 16 == 0 and mod.out_features % 16 == 0,
+    )
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    if not layers:
+        raise Problem("model.fp8", True, f"this {model.config.model_type} model has no torch.nn.Linear layer with "
+                      "sizes divisible by 16 besides its output head (GPT-2's are Conv1D)", "set model.fp8=false")
+    if not compiled:
+        return
+    # One graph per (input, weight) shape, for training and for evaluation (no grad): about 10 for a Llama.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+
+    @torch.compile(dynamic=False)
+    def fp8_matmul(x, weight, mm_config, config):
+        return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+
+    def forward(self, x):
+        return fp8_matmul(x, self.weight, self.linear_mm_config, self.config)
+
+    for layer in layers:
+        layer.linear_mm_config, layer.config = layers[0].linear_mm_config, layers[0].config
+        layer.forward = forward.__get__(layer)
 
 
 def build_optimizer(model, cfg: TrainConfig, offloaded: bool):

@@ -316,6 +316,24 @@ def suite_fa4() -> list[Case]:
     ]
 
 
+FP8 = {"model.fp8": True}  # torchao's float8 matmuls in the decoder layers, casts compiled
+
+
+def suite_fp8() -> list[Case]:
+    """FP8 matmuls (`model.fp8`: torchao's float8 training, each cast compiled) against Trainer + Liger, then the
+    app's bf16 matmuls where time is left; 8B then 1.1B. Same ds_config, data and batch."""
+    return [
+        llama("l8b-z3-mb4-fp8", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=130, timeout=240,
+              sets=FP8),
+        llama("hf-liger-l8b-z3-mb4", "llama-8b", 4, 3, True, runner="hf", warmup=2, steps=5, estimate=60,
+              timeout=240),
+        llama("l1b-z3-mb16-fp8", "llama-1.1b", 16, 3, True, estimate=90, sets=FP8),
+        llama("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, 3, True, runner="hf", estimate=35),
+        llama("l8b-z3-mb4", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=100, timeout=240),
+        llama("l1b-z3-mb16", "llama-1.1b", 16, 3, True, estimate=70),
+    ]
+
+
 def suite_ckpt() -> list[Case]:
     """Issue 19.3: the loop's stall per periodic save, written in the background (the default) and synchronously
     (`checkpoint.async_save: false`), same checkpoint, ZeRO-3 on 2 GPUs. One save per case: the 8B's (about 96 GB
@@ -362,7 +380,8 @@ def suite_smoke() -> list[Case]:
 
 SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke,
           "start": suite_start, "fa4": suite_fa4, "tutorial": suite_tutorial, "start-ab": suite_start_ab,
-          "start-ab2": suite_start_ab2, "ckpt": suite_ckpt, "ckpt-smoke": suite_ckpt_smoke}
+          "start-ab2": suite_start_ab2, "ckpt": suite_ckpt, "ckpt-smoke": suite_ckpt_smoke,
+          "fp8": suite_fp8}
 
 
 # ---- configs ---------------------------------------------------------------------------------------------

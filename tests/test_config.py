@@ -52,6 +52,8 @@ BAD = {
                                   "deepspeed.zero_optimization.leaf_module", "{classes: auto}"),
     "compile with Liger on ZeRO-3": (["model.compile=true", "model.liger_kernels=true"], "model.compile",
                                      "model.liger_kernels=false"),
+    "fp8 inside model.compile": (["model.fp8=true", "model.compile=true", "model.liger_kernels=false"], "model.fp8",
+                                 "set model.compile=false, or model.fp8=false"),
     "storage not writable": (["experiment.storage_path=/sys/finetune-storage"], "experiment.storage_path", "not writable"),
 }
 

@@ -1,0 +1,85 @@
+"""model.fp8: the decoder layers' linear layers run FP8 matmuls (torchao; emulated on CPUs) and train as bf16 does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from app.config import ModelConfig, Problem
+from app.model import load_model
+
+
+def tiny_llama(tmp_path, fp8: bool, seed: int = 0):
+    LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128).save_pretrained(tmp_path)
+    torch.manual_seed(seed)
+    return load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}", fp8=fp8), {}).to(torch.bfloat16)
+
+
+def losses(model, steps: int) -> list[float]:
+    """Plain AdamW on a fixed set of batches: the loss curve of the model's own matmuls."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(1, 96, (4, 48), generator=gen) for _ in range(4)]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    out = []
+    for step in range(steps):
+        ids = batches[step % len(batches)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def test_fp8_converts_the_decoder_linears_only(tmp_path):
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = tiny_llama(tmp_path, fp8=True)
+    converted = sorted(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
+    per_layer = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
+                 "self_attn.q_proj", "self_attn.v_proj"]
+    assert converted == [f"model.layers.{i}.{p}" for i in range(2) for p in per_layer]
+    assert type(model.lm_head) is torch.nn.Linear  # the head stays bf16 (Liger's fused loss reads its weight)
+    # Same parameters, same names: checkpoints, resume and export see the model they would see without FP8.
+    assert sorted(model.state_dict()) == sorted(tiny_llama(tmp_path, fp8=False).state_dict())
+
+
+def test_fp8_trains_like_bf16(tmp_path):
+    fp8, bf16 = losses(tiny_llama(tmp_path, fp8=True), 30), losses(tiny_llama(tmp_path, fp8=False), 30)
+    assert fp8[-1] < 0.7 * fp8[0]  # it learns
+    for step, (a, b) in enumerate(zip(fp8, bf16)):  # step for step, closer early (the curves drift apart slowly)
+        assert abs(a - b) <= (0.01 if step < 10 else 0.06) * b, (step, a, b)
+    late = slice(-8, None)
+    assert abs(sum(fp8[late]) - sum(bf16[late])) <= 0.02 * sum(bf16[late])
+    assert fp8 != bf16  # not vacuous: the matmuls did run in FP8
+
+
+def test_fp8_refuses_a_model_with_nothing_to_convert(tiny_model):
+    # GPT-2's projections are Conv1D, not Linear: FP8 would change nothing, so say so rather than run bf16.
+    with pytest.raises(Problem, match="model.fp8.*Conv1D.*set model.fp8=false"):
+        load_model(ModelConfig(name_or_path=str(tiny_model), fp8=True), {})
+
+
+@pytest.mark.slow  # torch.compile builds C++ kernels on the CPU: about 25 s on 2 cores
+def test_compiled_casts_compute_what_eager_casts_compute(tmp_path):
+    from app.model import _apply_fp8
+
+    eager, compiled = tiny_llama(tmp_path, fp8=True), tiny_llama(tmp_path, fp8=False)
+    _apply_fp8(compiled, compiled=True)
+    ids = torch.randint(1, 96, (2, 32), generator=torch.Generator().manual_seed(2))
+    for model in (eager, compiled):
+        model(input_ids=ids, labels=ids).loss.backward()
+    torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def test_a_problem_raised_in_a_worker_reaches_the_driver_whole():
+    # Ray pickles a worker's exception to the driver; a Problem must arrive as itself (field, value, fix).
+    import pickle
+
+    got = pickle.loads(pickle.dumps(Problem("model.fp8", True, "no FP8 tensor cores", "set model.fp8=false")))
+    assert (got.field, got.value, got.fix) == ("model.fp8", True, "set model.fp8=false")
+    assert str(got) == "model.fp8: no FP8 tensor cores (got True). Fix: set model.fp8=false"
