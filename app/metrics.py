@@ -103,8 +103,9 @@ class MetricsLogger:
         self.jsonl.flush()
 
     def checkpoint(self, path: Path, step: int, stall_s: float, total_s: float, background: bool) -> None:
-        how = (f"training waited {stall_s:.2f} s, written in the background in {total_s:.2f} s" if background
-               else f"written in {total_s:.2f} s")
+        how = f"written in {total_s:.2f} s"
+        if background and stall_s < total_s:  # else the loop waited for all of it: the last save, a preemption's
+            how = f"training waited {stall_s:.2f} s, written in the background in {total_s:.2f} s"
         log.info(f"checkpoint saved: {path} ({how})")
         self.jsonl.write(json.dumps({"kind": "checkpoint", "time": time.time(), "step": step, "path": str(path),
                                      "stall_s": round(stall_s, 3), "total_s": round(total_s, 3),

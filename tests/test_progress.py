@@ -220,3 +220,18 @@ def test_training_finishes_when_the_api_refuses_then_goes_down(fake, tiny_model,
     assert published(fake) is None
     stopped.set()
     watcher.join(5)
+
+
+def test_checkpoint_line_says_whether_training_waited_for_the_write(tmp_path, caplog):
+    from app.metrics import MetricsLogger
+
+    m = MetricsLogger(tmp_path, total_steps=20, start_step=0, flops_per_tok=None)
+    with caplog.at_level("INFO", logger="finetune"):
+        m.checkpoint(tmp_path / "step-10", 10, stall_s=0.18, total_s=11.6, background=True)
+        m.checkpoint(tmp_path / "step-20", 20, stall_s=11.6, total_s=11.6, background=True)  # the last save
+        m.checkpoint(tmp_path / "step-20", 20, stall_s=9.4, total_s=9.4, background=False)
+    lines = [r.getMessage().split("(", 1)[1] for r in caplog.records if "checkpoint saved" in r.getMessage()]
+    assert lines == ["training waited 0.18 s, written in the background in 11.60 s)", "written in 11.60 s)",
+                     "written in 9.40 s)"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stall_s"] for r in records if r["kind"] == "checkpoint"] == [0.18, 11.6, 9.4]
