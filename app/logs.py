@@ -28,6 +28,8 @@ NOISE = re.compile(
         (
             r"`loss_type=None` was set in the config but it is unrecognized",  # transformers 5 on GPT-2 configs
             r"FutureWarning|DeprecationWarning",  # to library developers (DeepSpeed's reduce_scatter_tensor)
+            # torch 2.13 to torchao, whose import (by transformers, when installed) registers its enums the old way:
+            r"is an Enum subclass and is now natively supported by torch\.compile",
             r"Token authentication is enabled for this Ray cluster",  # the local cluster is private to this process
             r"Setting accelerator to CPU",  # DeepSpeed, on purpose here
             r"CUDA-enabled jaxlib is not installed",  # JAX, imported by a library; this app does not use it
@@ -144,6 +146,9 @@ def _install(handler: logging.Handler, level: int) -> None:
     root.setLevel(logging.INFO)
     logging.getLogger(APP_LOGGER).setLevel(level)
     logging.captureWarnings(True)  # warnings become WARNING records with a level (py.warnings)
+    # torch writes this logger through a handler of its own, installed at its import (so not through ours): its
+    # one warning here is torch 2.13's to torchao about how torchao registers its enums, a note to library authors.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # Libraries with handlers of their own: through ours, so every line carries its level.
     for name in ("transformers", "DeepSpeed", "datasets"):
         lib = logging.getLogger(name)
