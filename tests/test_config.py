@@ -285,3 +285,17 @@ def test_the_resume_plan_is_applied_before_the_checks(storage, tiny_model, capsy
     fake_checkpoint(storage, 8, world_size=3, micro_batch_size=4, gradient_accumulation_steps=1)  # 12: 2 x 4 can't
     assert main(["validate", *args]) == 2
     assert "error: scaling.num_workers: the experiment's last checkpoint (step-00000008)" in capsys.readouterr().err
+
+
+def test_a_problem_raised_in_a_worker_reaches_the_driver_whole():
+    # Ray pickles a worker's exception to the driver; a Problem must arrive as itself (field, value, fix).
+    import pickle
+
+    from app.config import ConfigError, Problem
+
+    problem = Problem("model.fp8", True, "no FP8 tensor cores", "set model.fp8=false")
+    got = pickle.loads(pickle.dumps(problem))
+    assert (got.field, got.value, got.fix) == ("model.fp8", True, "set model.fp8=false")
+    assert str(got) == "model.fp8: no FP8 tensor cores (got True). Fix: set model.fp8=false"
+    both = pickle.loads(pickle.dumps(ConfigError([problem, Problem("train.epochs", 0, "must be positive")])))
+    assert [p.field for p in both.problems] == ["model.fp8", "train.epochs"] and str(both) == str(ConfigError(both.problems))

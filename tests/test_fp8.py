@@ -75,11 +75,3 @@ def test_compiled_casts_compute_what_eager_casts_compute(tmp_path):
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
-
-def test_a_problem_raised_in_a_worker_reaches_the_driver_whole():
-    # Ray pickles a worker's exception to the driver; a Problem must arrive as itself (field, value, fix).
-    import pickle
-
-    got = pickle.loads(pickle.dumps(Problem("model.fp8", True, "no FP8 tensor cores", "set model.fp8=false")))
-    assert (got.field, got.value, got.fix) == ("model.fp8", True, "set model.fp8=false")
-    assert str(got) == "model.fp8: no FP8 tensor cores (got True). Fix: set model.fp8=false"
