@@ -4,6 +4,7 @@ lock installs into a fresh venv from which the image's commands run (see docs/co
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -434,11 +435,31 @@ def _run(cmd: list[str], cwd: Path, timeout: float = 900, env: dict | None = Non
     return proc
 
 
+def _share_torch_stack(py: Path, torch_stack: str, shared: Path) -> None:
+    """Makes the test venv's torch stack (torch, nvidia-*, cuda-*, triton: the Makefile's TORCH_STACK) visible
+    to the fresh venv at `py` through a .pth file and symlinks, so pip sees it installed (with its metadata)
+    while every other distribution of the test venv stays out of sight."""
+    shared.mkdir()
+    stack = re.compile(rf"^({torch_stack})")
+    for dist in importlib.metadata.distributions():
+        if not stack.match(re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()):
+            continue
+        site = Path(dist.locate_file(""))
+        tops = {Path(f).parts[0] for f in dist.files or [] if not Path(f).parts[0].startswith("..")}
+        for top in tops:
+            if (site / top).exists() and not (shared / top).exists():
+                (shared / top).symlink_to(site / top)
+    assert (shared / "torch").exists(), f"no torch among {sorted(p.name for p in shared.iterdir())}"
+    fresh_site = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=shared).stdout
+    (Path(fresh_site.strip()) / "torch-stack.pth").write_text(f"{shared}\n")
+
+
 def test_lock_installs_in_a_fresh_venv_and_the_image_commands_run(tmp_path):
-    """The Dockerfile's steps on CPU: torch (the tests' CPU build standing in for the CUDA one), the project's
+    """The Dockerfile's steps on CPU: torch (the test venv's build standing in for the image's), the project's
     dependencies from pyproject.toml constrained by requirements.lock (DeepSpeed comes in here, without the
-    op prebuild that needs nvcc), then the project with --no-deps. --no-compile halves the time (no .pyc for
-    torch and friends): 75-100 s on a busy 2-core machine with a warm pip cache, so it stays in `make test`."""
+    op prebuild that needs nvcc), then the project with --no-deps. --no-compile halves the time (no .pyc).
+    torch's own stack is shared from the test venv rather than installed again: PyPI's torch for Linux is the
+    CUDA build, 4.6 GB installed, and a CI machine's disk ran out writing a second copy of it."""
     start = time.monotonic()
     ctx = tmp_path / "context"  # what the Dockerfile copies, nothing else (so no build/ lands in the repo)
     ctx.mkdir()
@@ -451,6 +472,8 @@ def test_lock_installs_in_a_fresh_venv_and_the_image_commands_run(tmp_path):
     py, bin_dir = venv / "bin" / "python", venv / "bin"
     torch_cpu = re.search(r"^TORCH_CPU\s*:?=\s*(\S+)", MAKEFILE.read_text(), re.M).group(1)
     torch_stack = re.search(r"^TORCH_STACK\s*:?=\s*(\S+)", MAKEFILE.read_text(), re.M).group(1)  # the lock's exclusions
+    _share_torch_stack(py, torch_stack, tmp_path / "torch-stack")
+    # pip finds torch==2.13.0 already there and installs only the rest of what it needs, at locked versions.
     _run([str(py), "-m", "pip", "install", "-q", "--no-compile", "-c", "requirements.lock", torch_cpu], cwd=ctx)
     deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
     (tmp_path / "requirements.txt").write_text("\n".join(deps) + "\n")
