@@ -95,6 +95,15 @@ def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     return []
 
 
+def fp8_model_problems(cfg: TrainingConfig, model_config) -> list[Problem]:
+    """model.fp8 on a model with no layer to convert (GPT-2's Conv1D), found on the meta-device model: seconds of
+    transformers' modelling import before Ray starts, for FP8 runs only, instead of a failure at every worker."""
+    from app.model import fp8_problems, meta_model
+
+    model = meta_model(model_config, cfg.model.trust_remote_code)
+    return [] if model is None else fp8_problems(model)
+
+
 def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
     """The config must be plain JSON data: the deepspeed block becomes DeepSpeed's config file."""
     try:
@@ -138,6 +147,8 @@ def check(cfg: TrainingConfig, offline: bool = True, problems: list[Problem] | N
     problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg)
     mc, model_problems, note = read_model_config(cfg, offline)
     problems += model_problems + compile_problems(cfg)
+    if not problems and cfg.model.fp8 and mc is not None:
+        problems += fp8_model_problems(cfg, mc)
     if problems:
         raise ConfigError(problems)
     if mc is None:

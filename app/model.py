@@ -38,18 +38,26 @@ def hidden_size(model_config) -> int | None:
 MAX_LEAF_PARAMS = 1_000_000_000
 
 
+def meta_model(model_config, trust_remote_code: bool = False):
+    """The model built on the meta device (shapes only, nothing allocated), or None for an architecture that
+    transformers cannot build."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - whatever the architecture's code raises: the caller has no model to count
+        return None
+
+
 def zero3_leaf_layers(model_config, trust_remote_code: bool = False) -> tuple[list[str], int]:
     """The model's repeated decoder layer (transformers' `_no_split_modules`, e.g. LlamaDecoderLayer), for
     DeepSpeed's ZeRO-3 leaf modules: parameters are fetched once per layer instead of once per linear layer,
     which removes most of ZeRO-3's per-module hook overhead. Returns (class names, parameters of the largest
     such layer); ([], 0) when the model names no layer class or a layer holds more than DeepSpeed's leaf cap
     (a huge MoE layer is better fetched piece by piece). Counted on the meta device: nothing is allocated."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001 - an architecture transformers cannot build: no leaf modules
+    model = meta_model(model_config, trust_remote_code)
+    if model is None:
         return [], 0
     names = set(getattr(model, "_no_split_modules", None) or [])
     sizes = {type(m).__name__: sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names}
@@ -157,6 +165,23 @@ def _apply_liger(model, required: bool) -> None:
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 
 
+def fp8_linears(model) -> list[torch.nn.Module]:
+    """The layers model.fp8 converts: every torch.nn.Linear but the output head (Liger's fused loss reads its
+    weight directly) whose sizes FP8 matmuls take (multiples of 16)."""
+    head = model.get_output_embeddings()
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+            and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+
+
+def fp8_problems(model) -> list[Problem]:
+    """model.fp8 on a model with nothing to convert would train in bf16 while saying FP8: refused. Checked on
+    the meta-device model before any cluster starts (driver.check) and again on the real one."""
+    if fp8_linears(model):
+        return []
+    return [Problem("model.fp8", True, f"this {model.config.model_type} model has no torch.nn.Linear layer with sizes "
+                    "divisible by 16 besides its output head (GPT-2's are Conv1D)", "set model.fp8=false")]
+
+
 def _apply_fp8(model, compiled: bool) -> None:
     """FP8 matmuls for the decoder layers' linear layers through torchao's float8 training (dynamic tensorwise
     scales; the weights, gradients and optimizer stay bf16/fp32, only each matmul's inputs are cast). The output
@@ -168,18 +193,14 @@ def _apply_fp8(model, compiled: bool) -> None:
         major, minor = torch.cuda.get_device_capability()
         raise Problem("model.fp8", True, f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has "
                       "no FP8 tensor cores", "set model.fp8=false, or run on GPUs of compute capability 8.9 or newer")
+    if problems := fp8_problems(model):
+        raise problems[0]
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
-    head = model.get_output_embeddings()
-    convert_to_float8_training(
-        model,
-        module_filter_fn=lambda mod, _: mod is not head and mod.in_features % 16 == 0 and mod.out_features % 16 == 0,
-    )
+    targets = {id(m) for m in fp8_linears(model)}
+    convert_to_float8_training(model, module_filter_fn=lambda mod, _: id(mod) in targets)
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
-    if not layers:
-        raise Problem("model.fp8", True, f"this {model.config.model_type} model has no torch.nn.Linear layer with "
-                      "sizes divisible by 16 besides its output head (GPT-2's are Conv1D)", "set model.fp8=false")
     if not compiled:
         return
     # One graph per (input, weight) shape, for training and for evaluation (no grad): about 10 for a Llama.

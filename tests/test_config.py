@@ -55,6 +55,7 @@ BAD = {
     "fp8 inside model.compile": (["model.fp8=true", "model.compile=true", "model.liger_kernels=false"], "model.fp8",
                                  "set model.compile=false, or model.fp8=false"),
     "storage not writable": (["experiment.storage_path=/sys/finetune-storage"], "experiment.storage_path", "not writable"),
+    "fp8 on GPT-2's Conv1D": (["model.fp8=true"], "model.fp8", "set model.fp8=false"),  # the meta-device model
 }
 
 

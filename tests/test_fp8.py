@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from app.config import ModelConfig, Problem
+from app.config import ModelConfig, Problem, load
 from app.model import load_model
 
 
@@ -60,6 +60,21 @@ def test_fp8_refuses_a_model_with_nothing_to_convert(tiny_model):
     # GPT-2's projections are Conv1D, not Linear: FP8 would change nothing, so say so rather than run bf16.
     with pytest.raises(Problem, match="model.fp8.*Conv1D.*set model.fp8=false"):
         load_model(ModelConfig(name_or_path=str(tiny_model), fp8=True), {})
+
+
+def test_fp8_check_before_the_cluster_passes_what_the_workers_convert(tmp_path, tiny_model):
+    """driver.check looks for layers to convert on the meta-device model: a Llama passes (the same layers as
+    test_fp8_converts_the_decoder_linears_only), GPT-2 is refused (tests/test_config.py: exit 2, nothing written)."""
+    from app.driver import fp8_model_problems
+    from app.model import fp8_linears, load_model_config, meta_model
+
+    tiny_llama(tmp_path, fp8=False)  # writes its config
+    sets = [f"experiment.storage_path={tmp_path}", "scaling.use_gpu=false", "model.fp8=true"]
+    llama = load(None, [*sets, f"model.name_or_path={tmp_path}"])
+    assert fp8_model_problems(llama, load_model_config(llama.model)) == []
+    assert len(fp8_linears(meta_model(load_model_config(llama.model)))) == 2 * 7
+    gpt2 = load(None, [*sets, f"model.name_or_path={tiny_model}"])
+    assert [p.field for p in fp8_model_problems(gpt2, load_model_config(gpt2.model))] == ["model.fp8"]
 
 
 @pytest.mark.slow  # torch.compile builds C++ kernels on the CPU: about 25 s on 2 cores
