@@ -168,8 +168,8 @@ def cmd_train(args) -> int:
     except Exception as exc:  # noqa: BLE001 - Ray already logged the workers' tracebacks
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: training of {cfg.experiment.name} failed: {first}", file=sys.stderr)
-        print(f"       completed checkpoints stay in {cfg.experiment_dir}/checkpoints; deploy again to resume",
-              file=sys.stderr)
+        then = "change the setting it names, then deploy again" if isinstance(exc, driver.WorkerProblem) else "deploy again"
+        print(f"       completed checkpoints stay in {cfg.experiment_dir}/checkpoints; {then} to resume", file=sys.stderr)
         return 1
     final = cfg.experiment_dir / "final"
     if (final / "config.json").exists():

@@ -80,7 +80,9 @@ def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Pro
 def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks.md, run C;
     DeepCompile too, run O): refuse it here rather than after the cluster and the model are up. FP8 compiles its
-    own casts and needs torchao (in the image)."""
+    own casts and needs torchao (a dependency, so installed wherever this runs). Liger's kernels, when required,
+    need GPUs; whether liger-kernel (the `gpu` extra) is installed is left to the workers: `validate` of a GPU
+    config on a laptop without it is fine."""
     liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
     if cfg.model.compile and liger and cfg.deepspeed.zero3:
         return [Problem("model.compile", True, "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
@@ -92,6 +94,9 @@ def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     if cfg.model.fp8 and importlib.util.find_spec("torchao") is None:
         return [Problem("model.fp8", True, "torchao is not installed here (the image has it)",
                         "pip install torchao, or set model.fp8=false")]
+    if cfg.model.liger_kernels is True and not cfg.scaling.use_gpu:
+        return [Problem("model.liger_kernels", True, "Liger's kernels run on GPUs only (Triton) and scaling.use_gpu is "
+                        "false", "set model.liger_kernels=auto (GPUs only) or false")]
     return []
 
 
@@ -279,15 +284,29 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     try:
         return trainer.fit()
     except Exception as exc:
-        # Ray's message starts with "Training failed due to worker errors": put the failing rank's own exception
-        # first, where the CLI shows it (Ray logs every worker's traceback above it).
-        failures = sorted((getattr(exc, "worker_failures", None) or {}).items())
-        causes = [(rank, _root_cause(failure)) for rank, failure in failures]
-        # A rank that fails because another one died (a closed connection in a collective) is not the cause.
-        causes.sort(key=lambda rc: type(rc[1]).__name__ == "DistBackendError" or "Connection closed" in str(rc[1]))
-        for rank, cause in causes:
-            raise RuntimeError(f"{_one_line(cause)} [rank {rank}]") from exc
-        raise
+        error = worker_error(exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+class WorkerProblem(RuntimeError):
+    """A setting only the workers could judge (their GPU, the model as built there) is wrong: deploying again
+    unchanged would fail the same way."""
+
+
+def worker_error(exc: BaseException) -> RuntimeError | None:
+    """Ray's error for failed workers (its message starts with "Training failed due to worker errors") as the
+    failing rank's own exception in one line, which the CLI shows first (Ray logs every worker's traceback above
+    it); None when no worker failed."""
+    failures = sorted((getattr(exc, "worker_failures", None) or {}).items())
+    causes = [(rank, _root_cause(failure)) for rank, failure in failures]
+    # A rank that fails because another one died (a closed connection in a collective) is not the cause.
+    causes.sort(key=lambda rc: type(rc[1]).__name__ == "DistBackendError" or "Connection closed" in str(rc[1]))
+    if not causes:
+        return None
+    rank, cause = causes[0]
+    return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(f"{_one_line(cause)} [rank {rank}]")
 
 
 def _root_cause(failure: BaseException) -> BaseException:

@@ -56,6 +56,7 @@ BAD = {
                                  "set model.compile=false, or model.fp8=false"),
     "storage not writable": (["experiment.storage_path=/sys/finetune-storage"], "experiment.storage_path", "not writable"),
     "fp8 on GPT-2's Conv1D": (["model.fp8=true"], "model.fp8", "set model.fp8=false"),  # the meta-device model
+    "Liger required on CPUs": (["model.liger_kernels=true"], "model.liger_kernels", "auto (GPUs only) or false"),
 }
 
 
@@ -300,3 +301,22 @@ def test_a_problem_raised_in_a_worker_reaches_the_driver_whole():
     assert str(got) == "model.fp8: no FP8 tensor cores (got True). Fix: set model.fp8=false"
     both = pickle.loads(pickle.dumps(ConfigError([problem, Problem("train.epochs", 0, "must be positive")])))
     assert [p.field for p in both.problems] == ["model.fp8", "train.epochs"] and str(both) == str(ConfigError(both.problems))
+
+
+def test_a_worker_problem_is_the_runs_error_line_and_says_deploying_unchanged_would_not_help():
+    """Ray's WorkerGroupError, as `trainer.fit()` raises it: the failing rank's own exception comes first, a rank
+    that only lost its peer (closed connection) does not; a Problem becomes a WorkerProblem, the CLI's cue to say
+    "change the setting it names" rather than only "deploy again"."""
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from app import driver
+    from app.config import Problem
+
+    problem = Problem("model.fp8", True, "no FP8 tensor cores", "set model.fp8=false")
+    lost_peer = RuntimeError("Connection closed by peer")
+    got = driver.worker_error(WorkerGroupError("...", {0: lost_peer, 1: problem}))
+    assert type(got) is driver.WorkerProblem
+    assert str(got) == "model.fp8: no FP8 tensor cores (got True). Fix: set model.fp8=false [rank 1]"
+    got = driver.worker_error(WorkerGroupError("...", {0: ValueError("bad row"), 1: lost_peer}))
+    assert type(got) is RuntimeError and str(got) == "ValueError: bad row [rank 0]"
+    assert driver.worker_error(RuntimeError("the controller died")) is None
