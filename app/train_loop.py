@@ -23,7 +23,7 @@ from app import checkpoint, data, faults, logs, opbuild, preemption
 from app.config import TrainConfig, TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
-from app.nonfinite import NonFiniteGuard
+from app.nonfinite import NonFiniteError, NonFiniteGuard
 
 log = logging.getLogger("finetune")
 
@@ -164,7 +164,11 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             step += 1
             saver.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
-            guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
+            try:
+                guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
+            except NonFiniteError:
+                report(saver.drain())  # all ranks raised: a save of the last healthy step being written completes
+                raise
             window.add(loss, tokens)
             if step % t.log_every_steps == 0 or step == policy.total_steps:
                 last = {"loss": window.report(engine, step, epoch, t, world, metrics)}

@@ -37,15 +37,18 @@ def test_error_on_one_rank_ends_the_run_within_a_minute(phase, tmp_path, tiny_mo
 
 def test_non_finite_steps_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, tiny_model):
     """From step 5 on the loss is NaN (and so are the gradients, then the weights); with a limit of 2 the run stops
-    at step 6 with exit 1, naming the steps and the likely cause, and step 4, the last finite one, is what stays."""
-    sets = {**STEPS, "train.nonfinite_steps_limit": 2}
-    result = run_cli("train", *tiny_overrides(tmp_path, "nan", tiny_model, **sets),
-                     env={"FINETUNE_FAULT_NAN_FROM_STEP": "5"}, timeout=900)
+    at step 6 with exit 1, naming the steps and the likely cause, and step 4, the last finite one, is what stays.
+    Step 4's background write is held back for 10 s (its last rank pauses before its optimizer shard), so it is
+    still being written when the run stops: the stop waits for it, and it is complete, not left half-written."""
+    sets = {**STEPS, "train.nonfinite_steps_limit": 2, "checkpoint.async_save": True}
+    env = {"FINETUNE_FAULT_NAN_FROM_STEP": "5", "FINETUNE_FAULT_SAVE_PAUSE": "mid_shards:10:4"}
+    result = run_cli("train", *tiny_overrides(tmp_path, "nan", tiny_model, **sets), env=env, timeout=900)
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-6000:]
     line = next((ln for ln in result.stderr.splitlines() if ln.startswith("error: training of nan failed")), "")
     assert "step 6: non-finite loss" in line and "2 consecutive steps (since step 5)" in line, out[-6000:]
     assert "likely cause: " in line and "learning_rate" in line
     assert "step 5: non-finite loss" in out  # the first bad step is reported when it happens
+    assert "pauses 10s at mid_shards of the step-4 save" in out
     assert complete_checkpoints(tmp_path / "nan") == ["step-00000002", "step-00000004"]
     assert not (tmp_path / "nan" / "final").exists()
