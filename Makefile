@@ -42,8 +42,9 @@ run: tiny
 	@echo "==> training: local Ray cluster, 2 CPU workers, ZeRO-3, 40 steps, then export (1-2 min; a first run also builds a DeepSpeed op, 1-2 min more)"
 	$(BIN)/finetune train examples/local-cpu.yaml
 
+# --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget.
 test: lint
-	$(BIN)/pytest -q -m "not slow and not e2e" tests
+	$(BIN)/pytest -q -m "not slow and not e2e" --durations=15 tests
 
 # ruff: lint on every file; format, line length (120) and import order on the files run through `ruff format`
 # so far. The others join FORMATTED one by one, each formatted in a commit of its own, when no other branch is
