@@ -441,6 +441,12 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
         "int_parsing": "use a whole number",
         "float_parsing": "use a number",
         "bool_parsing": "use true or false",
+        "bool_type": "use true or false",  # e.g. null, or a list, where a switch goes
+        "int_type": "use a whole number",
+        "float_type": "use a number",
+        "string_type": "use text (quoted in YAML when it looks like a number or a date)",
+        "list_type": "use a list, e.g. [a, b]",
+        "tuple_type": "use a list, e.g. [a, b]",
         "model_type": "use a mapping of keys",
         "dict_type": "use a mapping of keys",
         "finite_number": "use a finite number (not .inf or .nan)",

@@ -47,6 +47,8 @@ BAD = {
     "name traversal": (["experiment.name=../../etc"], "experiment.name", "DNS-1035"),
     "wrong type": (["train.epochs=many"], "train.epochs", "whole number"),
     "literal": (["train.precision=fp8"], "train.precision", "one of the listed values"),
+    "null switch": (["model.fp8=null"], "model.fp8", "use true or false"),
+    "null count": (["train.epochs=null"], "train.epochs", "use a whole number"),
     "storage under a file": (["experiment.storage_path={storage}/someone-elses-file/sub"], "experiment.storage_path", "not a folder"),
     "leaf_module not a mapping": (["deepspeed.zero_optimization.leaf_module=GPT2Block"],
                                   "deepspeed.zero_optimization.leaf_module", "{classes: auto}"),
