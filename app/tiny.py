@@ -63,7 +63,8 @@ def build_tiny_model(out: Path, corpus: Path | None = None, vocab_size: int = 51
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its progress bars print only blank lines when stderr is not a terminal
     )
     tok.train_from_iterator(texts, trainer)
     hf_tok = PreTrainedTokenizerFast(

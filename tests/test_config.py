@@ -322,3 +322,24 @@ def test_a_worker_problem_is_the_runs_error_line_and_says_deploying_unchanged_wo
     got = driver.worker_error(WorkerGroupError("...", {0: ValueError("bad row"), 1: lost_peer}))
     assert type(got) is RuntimeError and str(got) == "ValueError: bad row [rank 0]"
     assert driver.worker_error(RuntimeError("the controller died")) is None
+
+
+def test_tiny_builds_quietly_and_refuses_bad_paths_in_one_line(tmp_path):
+    """`finetune tiny` (make run's first step): two lines of output when it works; a corpus that is not JSON lines
+    with "text", or a folder it cannot write, is one line naming the option, exit 2, no traceback."""
+    (tmp_path / "rows.jsonl").write_text('{"title": "no text field"}\n')
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "m"
+    result = run_cli("tiny", "--model-dir", str(out), "--corpus", str(tmp_path / "new" / "c.jsonl"))
+    assert result.returncode == 0, result.stderr
+    assert (result.stdout + result.stderr).strip().splitlines() == [f"tiny model: {out}", f"corpus: {tmp_path}/new/c.jsonl"]
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    for args, option in (
+        (["--model-dir", str(tmp_path / "x"), "--corpus", str(tmp_path / "rows.jsonl")], "--corpus"),
+        (["--model-dir", str(tmp_path / "x"), "--corpus", str(tmp_path)], "--corpus"),
+        (["--model-dir", str(tmp_path / "a-file" / "m"), "--corpus", str(tmp_path / "new" / "c.jsonl")], "--model-dir"),
+    ):
+        result = run_cli("tiny", *args)
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {option}: "), lines
+        assert "Fix: " in lines[0]
