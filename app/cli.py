@@ -11,6 +11,7 @@ from pathlib import Path
 
 from app import config as config_mod, logs, ops, preemption
 from app.config import ConfigError, Problem
+from app.errors import seconds
 from app.lease import LeaseHeld
 
 EXIT_INVALID = 2
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "flight, write a checkpoint and stop (exit 4), as a SIGTERM to the driver does. "
                                    "The chart runs this as the pods' preStop hook, before the kubelet's SIGTERM.")
     p.add_argument("experiment_dir", help="the experiment folder, <storage>/<experiment>")
-    p.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+    p.add_argument("--wait", type=seconds, default=0, metavar="SECONDS",
                    help="then wait up to this long for the run to save and let go of its lease (default: do not wait)")
     _add_verbose(p)
     ops.register(sub)  # status, logs, resume: operate a RayJob through the Kubernetes API

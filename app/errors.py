@@ -1,7 +1,10 @@
-"""The one shape of a user error: the field, the value, what is wrong and how to fix it."""
+"""The one shape of a user error: the field, the value, what is wrong and how to fix it (and the commands' one
+numeric option type, a number of seconds, refused in argparse's own way)."""
 
 from __future__ import annotations
 
+import argparse
+import math
 from typing import Any
 
 
@@ -34,3 +37,14 @@ class ConfigError(Exception):
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def seconds(text: str) -> float:
+    """argparse type of a --wait option: a finite number of seconds, at least 0 (nan would wait for ever)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a finite number of seconds, 0 or more")
+    return value

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from app import kube, logs
+from app.errors import seconds
 from app.progress import duration, parse as parse_progress
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_API = 0, 1, 2, 3
@@ -75,7 +76,7 @@ def register(sub) -> None:
                                    "--force. The spec is saved to a file first, so it is never lost.", epilog=epilog)
     common(p)
     p.add_argument("--force", action="store_true", help="also resume a job that is pending or running (e.g. stuck)")
-    p.add_argument("--wait", type=float, default=600, metavar="SECONDS",
+    p.add_argument("--wait", type=seconds, default=600, metavar="SECONDS",
                    help="how long to wait for the old RayJob and its RayCluster to be gone (default: 600)")
 
 

@@ -37,6 +37,16 @@ def test_preempt_command_without_a_run(tmp_path):
     assert not (tmp_path / ".preempt").exists()
 
 
+@pytest.mark.parametrize("wait", ["nan", "inf", "-1", "soon"])
+def test_wait_options_take_a_finite_number_of_seconds(wait, tmp_path):
+    """`--wait nan` compared false with every deadline, so it waited for ever (`resume`, and `preempt` while a run
+    holds the folder); argparse now refuses it, as it refuses any other bad argument: exit 2, nothing done."""
+    for command in (["preempt", str(tmp_path)], ["resume", "exp"]):
+        out = run_cli(*command, "--wait", wait, timeout=60)
+        assert out.returncode == 2 and f"argument --wait: '{wait}'" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and not list(tmp_path.iterdir())
+
+
 def test_preempt_command_asks_the_holder_and_waits_for_its_release(tmp_path):
     lease = Lease(tmp_path, 600, on_lost=lambda *_: None).acquire()
     asked_at = []
