@@ -304,24 +304,22 @@ def export_source(src: Path, model: str | None) -> Path:
 
 
 def cmd_tiny(args) -> int:
-    from app.tiny import build_tiny_model, write_corpus
+    from app.tiny import build_tiny_model, read_texts, write_corpus
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers imports DeepSpeed, which warns when it finds no GPU
     corpus = Path(args.corpus)
     try:
         if not corpus.exists():
             write_corpus(corpus)
-        texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines() if line.strip()]
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ValueError("no rows, or a text that is not a string")
+        texts = read_texts(corpus)
     except (OSError, UnicodeDecodeError) as exc:
         raise Problem("--corpus", args.corpus, f"cannot be written or read ({_reason(exc)})",
                       "choose a writable path, or leave it out for examples/data/tiny-news.jsonl") from None
-    except (ValueError, KeyError, TypeError):
-        raise Problem("--corpus", args.corpus, "is not JSON lines with a \"text\" field in every row",
+    except ValueError as exc:
+        raise Problem("--corpus", args.corpus, str(exc),
                       "pass such a file, or a path that does not exist yet (it is then generated)") from None
     try:
-        out = build_tiny_model(Path(args.model_dir), corpus)
+        out = build_tiny_model(Path(args.model_dir), texts)
     except OSError as exc:
         raise Problem("--model-dir", args.model_dir, f"cannot be written ({_reason(exc)})",
                       "choose a folder you can write to") from None

@@ -44,9 +44,21 @@ def write_corpus(path: Path, n: int = 2000, seed: int = 0) -> Path:
     return path
 
 
-def build_tiny_model(out: Path, corpus: Path | None = None, vocab_size: int = 512, n_positions: int = 256,
+def read_texts(path: Path) -> list[str]:
+    """The "text" of every row of a JSON-lines corpus; ValueError when a row has none (or no row has one)."""
+    try:
+        texts = [json.loads(line)["text"] for line in Path(path).read_text().splitlines() if line.strip()]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("is not JSON lines with a \"text\" field in every row") from None
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError("has no row, or a \"text\" that is not a string")
+    return texts
+
+
+def build_tiny_model(out: Path, texts: list[str] | None = None, vocab_size: int = 512, n_positions: int = 256,
                      n_embd: int = 64, n_layer: int = 2, n_head: int = 2, seed: int = 0) -> Path:
-    """Write a from_pretrained folder (config, random weights, tokenizer); idempotent."""
+    """Write a from_pretrained folder (config, random weights, a tokenizer trained on `texts`, by default the
+    generated corpus); idempotent."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
     import torch
@@ -54,11 +66,7 @@ def build_tiny_model(out: Path, corpus: Path | None = None, vocab_size: int = 51
     out = Path(out)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
-    texts = (
-        [json.loads(line)["text"] for line in Path(corpus).read_text().splitlines()]
-        if corpus
-        else [r["text"] for r in corpus_lines(2000, seed)]
-    )
+    texts = texts or [r["text"] for r in corpus_lines(2000, seed)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

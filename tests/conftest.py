@@ -27,9 +27,9 @@ CLI_ENV = {
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from app.tiny import build_tiny_model
+    from app.tiny import build_tiny_model, read_texts
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gpt2", CORPUS)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gpt2", read_texts(CORPUS))
 
 
 def tiny_overrides(storage: Path, name: str, model: Path, **extra) -> list[str]:
