@@ -50,8 +50,17 @@ def _fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     """FlashAttention-4's CuTe-DSL kernels (package flash-attn-4, Hopper and Blackwell), GQA native."""
     from flash_attn.cute.interface import flash_attn_varlen_func
 
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                 max_seqlen_k=max_k, softmax_scale=scale, causal=True)
+    out = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        softmax_scale=scale,
+        causal=True,
+    )
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -82,20 +91,31 @@ def available() -> bool:
     return torch.cuda.is_available() and _kernel() is not None
 
 
-def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                             scaling: float | None = None, **kwargs):
+def varlen_attention_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs
+):
     """transformers' attention-function contract: (B, H, S, D) in, (B, S, H, D) out."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     b, h, s, d = query.shape
     q = query.transpose(1, 2).reshape(b * s, h, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
-    out = _kernel()(q, k, v, cu, kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"],
-                    d**-0.5 if scaling is None else scaling)
+    out = _kernel()(
+        q,
+        k,
+        v,
+        cu,
+        kwargs["cu_seq_lens_k"],
+        kwargs["max_length_q"],
+        kwargs["max_length_k"],
+        d**-0.5 if scaling is None else scaling,
+    )
     return out.view(b, s, h, d), None
 
 

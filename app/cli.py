@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from app import config as config_mod, logs, ops, preemption
+from app import config as config_mod
+from app import logs, ops, preemption
 from app.config import ConfigError, Problem
 from app.errors import seconds
 from app.lease import LeaseHeld
@@ -21,14 +22,24 @@ log = logging.getLogger("finetune")
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="training config YAML (omit for the tutorial's defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config value, e.g. --set train.epochs=2 (repeatable; value parsed as YAML)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config value, e.g. --set train.epochs=2 (repeatable; value parsed as YAML)",
+    )
     _add_verbose(p)
 
 
 def _add_verbose(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="show every log line (libraries' info messages, Ray's internal ones); default: the quiet view")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show every log line (libraries' info messages, Ray's internal ones); default: the quiet view",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,46 +49,74 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("validate", help="check a config; print it resolved and the final DeepSpeed config",
-                       description="Check a training config and print the resolved config and the DeepSpeed "
-                                   "config JSON. Exit 0 when valid, 2 with one line per problem otherwise.")
+    p = sub.add_parser(
+        "validate",
+        help="check a config; print it resolved and the final DeepSpeed config",
+        description="Check a training config and print the resolved config and the DeepSpeed "
+        "config JSON. Exit 0 when valid, 2 with one line per problem otherwise.",
+    )
     _add_config_args(p)
     p.add_argument("--online", action="store_true", help="allow downloading the model config to check it")
     p.add_argument("--ds-config-only", action="store_true", help="print only the DeepSpeed config JSON")
 
-    p = sub.add_parser("train", help="train (or resume) an experiment",
-                       description="Train, or resume the experiment of the same name from its last complete "
-                                   "checkpoint. Validates first and writes nothing when the config is invalid.")
+    p = sub.add_parser(
+        "train",
+        help="train (or resume) an experiment",
+        description="Train, or resume the experiment of the same name from its last complete "
+        "checkpoint. Validates first and writes nothing when the config is invalid.",
+    )
     _add_config_args(p)
-    p.add_argument("--re-export", action="store_true",
-                   help="when the experiment has finished, write final/ again from its last checkpoint")
+    p.add_argument(
+        "--re-export",
+        action="store_true",
+        help="when the experiment has finished, write final/ again from its last checkpoint",
+    )
 
-    p = sub.add_parser("export", help="write a Hugging Face folder from a checkpoint or an experiment",
-                       description="Consolidate a DeepSpeed checkpoint (any ZeRO stage) into a Hugging Face "
-                                   "folder with safetensors weights and the tokenizer.")
-    p.add_argument("checkpoint", help="an experiment folder <storage>/<experiment> (its newest complete checkpoint) "
-                                      "or one checkpoint, e.g. <storage>/<experiment>/checkpoints/step-00000030")
+    p = sub.add_parser(
+        "export",
+        help="write a Hugging Face folder from a checkpoint or an experiment",
+        description="Consolidate a DeepSpeed checkpoint (any ZeRO stage) into a Hugging Face "
+        "folder with safetensors weights and the tokenizer.",
+    )
+    p.add_argument(
+        "checkpoint",
+        help="an experiment folder <storage>/<experiment> (its newest complete checkpoint) "
+        "or one checkpoint, e.g. <storage>/<experiment>/checkpoints/step-00000030",
+    )
     p.add_argument("out", help="output folder (must not exist, or be empty, unless --force)")
     p.add_argument("--force", action="store_true", help="replace the output folder when it exists")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights precision (default: training's)")
-    p.add_argument("--model", help="model folder or hub name giving config and tokenizer (for DeepSpeed "
-                                   "checkpoints not written by this app)")
+    p.add_argument(
+        "--model",
+        help="model folder or hub name giving config and tokenizer (for DeepSpeed checkpoints not written by this app)",
+    )
     _add_verbose(p)
 
-    p = sub.add_parser("tiny", help="build the offline tiny GPT-2 model and text corpus",
-                       description="Write a tiny GPT-2-style model folder (random weights, BPE tokenizer trained "
-                                   "offline) and a generated ag_news-like corpus, for runs without a hub.")
+    p = sub.add_parser(
+        "tiny",
+        help="build the offline tiny GPT-2 model and text corpus",
+        description="Write a tiny GPT-2-style model folder (random weights, BPE tokenizer trained "
+        "offline) and a generated ag_news-like corpus, for runs without a hub.",
+    )
     p.add_argument("--model-dir", default=".local/tiny-gpt2", help="model folder to create")
     p.add_argument("--corpus", default="examples/data/tiny-news.jsonl", help="corpus file (created if missing)")
     _add_verbose(p)
 
-    p = sub.add_parser("preempt", help="ask the run of an experiment to save its current step and stop",
-                       description="Ask the live run of an experiment folder to finish its optimizer step in "
-                                   "flight, write a checkpoint and stop (exit 4), as a SIGTERM to the driver does. "
-                                   "The chart runs this as the pods' preStop hook, before the kubelet's SIGTERM.")
+    p = sub.add_parser(
+        "preempt",
+        help="ask the run of an experiment to save its current step and stop",
+        description="Ask the live run of an experiment folder to finish its optimizer step in "
+        "flight, write a checkpoint and stop (exit 4), as a SIGTERM to the driver does. "
+        "The chart runs this as the pods' preStop hook, before the kubelet's SIGTERM.",
+    )
     p.add_argument("experiment_dir", help="the experiment folder, <storage>/<experiment>")
-    p.add_argument("--wait", type=seconds, default=0, metavar="SECONDS",
-                   help="then wait up to this long for the run to save and let go of its lease (default: do not wait)")
+    p.add_argument(
+        "--wait",
+        type=seconds,
+        default=0,
+        metavar="SECONDS",
+        help="then wait up to this long for the run to save and let go of its lease (default: do not wait)",
+    )
     _add_verbose(p)
     ops.register(sub)  # status, logs, resume: operate a RayJob through the Kubernetes API
     return parser
@@ -89,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ops.COMMANDS:
         return ops.main(args)
     try:
-        commands = {"validate": cmd_validate, "train": cmd_train, "export": cmd_export, "tiny": cmd_tiny,
-                    "preempt": cmd_preempt}
+        commands = {
+            "validate": cmd_validate,
+            "train": cmd_train,
+            "export": cmd_export,
+            "tiny": cmd_tiny,
+            "preempt": cmd_preempt,
+        }
         return commands[args.command](args)
     except ConfigError as exc:
         for problem in exc.problems:
@@ -153,8 +197,16 @@ def cmd_train(args) -> int:
 
     cfg, ds, note = driver.prepare(_load(args), offline=False, with_ray=True)
     if note:
-        raise ConfigError([Problem("model.name_or_path", cfg.model.name_or_path, "cannot read the model config",
-                                   "check the name, the network or HF_HOME, or use a local folder")])
+        raise ConfigError(
+            [
+                Problem(
+                    "model.name_or_path",
+                    cfg.model.name_or_path,
+                    "cannot read the model config",
+                    "check the name, the network or HF_HOME, or use a local folder",
+                )
+            ]
+        )
     banner = f"experiment: {cfg.experiment.name}   (deploy again with this name to resume)"
     print("=" * len(banner), banner, f"storage:    {cfg.experiment_dir}", "=" * len(banner), sep="\n")
     print(summary(cfg, ds), flush=True)
@@ -169,19 +221,31 @@ def cmd_train(args) -> int:
     except Exception as exc:  # noqa: BLE001 - Ray already logged the workers' tracebacks
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: training of {cfg.experiment.name} failed: {first}", file=sys.stderr)
-        then = "change the setting it names, then deploy again" if isinstance(exc, driver.WorkerProblem) else "deploy again"
-        print(f"       completed checkpoints stay in {cfg.experiment_dir}/checkpoints; {then} to resume", file=sys.stderr)
+        then = (
+            "change the setting it names, then deploy again"
+            if isinstance(exc, driver.WorkerProblem)
+            else "deploy again"
+        )
+        print(
+            f"       completed checkpoints stay in {cfg.experiment_dir}/checkpoints; {then} to resume", file=sys.stderr
+        )
         return 1
     final = cfg.experiment_dir / "final"
     if (final / "config.json").exists():
         share_like_the_rest(final)
     metrics = result.metrics or {}
     if metrics.get("preempted"):
-        print(f"preempted at step {metrics.get('global_step')}, checkpoint written in {metrics.get('save_s')} s "
-              f"({metrics.get('checkpoint')}); deploy again as {cfg.experiment.name} to resume at step "
-              f"{(metrics.get('global_step') or 0) + 1}", file=sys.stderr)
+        print(
+            f"preempted at step {metrics.get('global_step')}, checkpoint written in {metrics.get('save_s')} s "
+            f"({metrics.get('checkpoint')}); deploy again as {cfg.experiment.name} to resume at step "
+            f"{(metrics.get('global_step') or 0) + 1}",
+            file=sys.stderr,
+        )
         return preemption.EXIT_PREEMPTED
-    print(f"done: {cfg.experiment.name} at global step {metrics.get('global_step')}, checkpoint {metrics.get('checkpoint')}")
+    print(
+        f"done: {cfg.experiment.name} at global step {metrics.get('global_step')}, checkpoint "
+        f"{metrics.get('checkpoint')}"
+    )
     if (final / "model.safetensors").exists() or any(final.glob("*.safetensors")):
         print(f"final model: {final}")
         if cfg.scaling.use_gpu is False:
@@ -203,8 +267,11 @@ def cmd_preempt(args) -> int:
         return 0
     token = holder.get("token")
     preemption.write_notice(run_dir, token, f"finetune preempt on {socket.gethostname()}")
-    print(f"asked the run holding {run_dir} ({holder.get('host')} pid {holder.get('pid')}) to save its step in "
-          "flight and stop", flush=True)
+    print(
+        f"asked the run holding {run_dir} ({holder.get('host')} pid {holder.get('pid')}) to save its step in "
+        "flight and stop",
+        flush=True,
+    )
     if args.wait <= 0:
         return 0
     ended = preemption.wait_for_release(run_dir, token, args.wait)
@@ -222,10 +289,12 @@ def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     t, s = cfg.train, cfg.scaling
     steps = f"{t.max_steps_per_epoch} steps" if t.max_steps_per_epoch else "all batches"
     zero = ds.get("zero_optimization", {}).get("stage", 0)
-    return (f"model: {cfg.model.name_or_path}   data: {cfg.data.dataset} ({cfg.data.seq_length} tokens/sequence)\n"
-            f"train: {t.epochs} epoch(s) x {steps}, {s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, ZeRO-{zero}, "
-            f"{t.precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
-            f"{ds.get('gradient_accumulation_steps')}, lr {t.learning_rate:g} ({t.lr_scheduler})")
+    return (
+        f"model: {cfg.model.name_or_path}   data: {cfg.data.dataset} ({cfg.data.seq_length} tokens/sequence)\n"
+        f"train: {t.epochs} epoch(s) x {steps}, {s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, ZeRO-{zero}, "
+        f"{t.precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
+        f"{ds.get('gradient_accumulation_steps')}, lr {t.learning_rate:g} ({t.lr_scheduler})"
+    )
 
 
 def finish_again(cfg: config_mod.TrainingConfig, checkpoint: Path, state: dict, re_export: bool) -> int:
@@ -242,8 +311,10 @@ def finish_again(cfg: config_mod.TrainingConfig, checkpoint: Path, state: dict, 
         exported = True
     if exported:
         print(f"final model: {final}")
-    print("nothing to train: raise train.epochs (or train.max_steps) to continue it, or use a new experiment name"
-          + ("" if re_export else "; --re-export writes final/ again"))
+    print(
+        "nothing to train: raise train.epochs (or train.max_steps) to continue it, or use a new experiment name"
+        + ("" if re_export else "; --re-export writes final/ again")
+    )
     return 0
 
 
@@ -296,9 +367,13 @@ def export_source(src: Path, model: str | None) -> Path:
         return src
     newest = newest_usable(src) if (src / "checkpoints").is_dir() else None
     if newest is None:
-        raise Problem("CHECKPOINT", str(src), "is neither a checkpoint of this app (no ds/ inside) nor an experiment "
-                      "folder with a complete checkpoint", f"{hint}; for another DeepSpeed checkpoint add --model "
-                      "with the model folder or hub name it was trained from")
+        raise Problem(
+            "CHECKPOINT",
+            str(src),
+            "is neither a checkpoint of this app (no ds/ inside) nor an experiment folder with a complete checkpoint",
+            f"{hint}; for another DeepSpeed checkpoint add --model "
+            "with the model folder or hub name it was trained from",
+        )
     print(f"exporting {newest.name}, the newest complete checkpoint of {src}", file=sys.stderr)
     return newest
 
@@ -313,16 +388,25 @@ def cmd_tiny(args) -> int:
             write_corpus(corpus)
         texts = read_texts(corpus)
     except (OSError, UnicodeDecodeError) as exc:
-        raise Problem("--corpus", args.corpus, f"cannot be written or read ({_reason(exc)})",
-                      "choose a writable path, or leave it out for examples/data/tiny-news.jsonl") from None
+        raise Problem(
+            "--corpus",
+            args.corpus,
+            f"cannot be written or read ({_reason(exc)})",
+            "choose a writable path, or leave it out for examples/data/tiny-news.jsonl",
+        ) from None
     except ValueError as exc:
-        raise Problem("--corpus", args.corpus, str(exc),
-                      "pass such a file, or a path that does not exist yet (it is then generated)") from None
+        raise Problem(
+            "--corpus",
+            args.corpus,
+            str(exc),
+            "pass such a file, or a path that does not exist yet (it is then generated)",
+        ) from None
     try:
         out = build_tiny_model(Path(args.model_dir), texts)
     except OSError as exc:
-        raise Problem("--model-dir", args.model_dir, f"cannot be written ({_reason(exc)})",
-                      "choose a folder you can write to") from None
+        raise Problem(
+            "--model-dir", args.model_dir, f"cannot be written ({_reason(exc)})", "choose a folder you can write to"
+        ) from None
     print(f"tiny model: {out}\ncorpus: {corpus}")
     return 0
 

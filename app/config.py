@@ -51,9 +51,11 @@ class ExperimentConfig(Section):
         "fail", description="When another live run holds this experiment: fail at once, or wait for it to end."
     )
     lease_timeout_s: float = Field(
-        120, gt=0, le=86_400,
+        120,
+        gt=0,
+        le=86_400,
         description="A run whose lease heartbeat is older than this is dead; the next deploy takes over (at once when "
-        "its process or pod is provably gone)."
+        "its process or pod is provably gone).",
     )
 
     @field_validator("name")
@@ -122,8 +124,12 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     # _one_eval_source, for helm: values.schema.json carries it to `helm install`.
-    model_config = ConfigDict(json_schema_extra={"if": {"required": ["eval_split"], "properties": {
-        "eval_split": {"type": "string", "minLength": 1}}}, "then": {"properties": {"eval_fraction": {"maximum": 0}}}})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"required": ["eval_split"], "properties": {"eval_split": {"type": "string", "minLength": 1}}},
+            "then": {"properties": {"eval_fraction": {"maximum": 0}}},
+        }
+    )
 
     dataset: str = Field(
         "ag_news",
@@ -182,17 +188,21 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 turns it off.")
     nonfinite_steps_limit: int = Field(
-        3, ge=1, le=1000,
+        3,
+        ge=1,
+        le=1000,
         description="Stop the run (exit 1, keeping the last good checkpoint) after this many consecutive optimizer "
         "steps with a non-finite loss or gradient norm. fp16's loss scaler skips overflowed steps by itself: for "
         "fp16 only the loss counts.",
     )
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Fills deepspeed bf16/fp16 'auto'.")
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Seeds model init, data order and dropout on every rank.")
-    log_every_steps: int = Field(1, ge=1, le=MAX_STEPS,
-                                 description="Progress line and TensorBoard scalars every N steps.")
-    eval_every_steps: int | None = Field(None, ge=1, le=MAX_STEPS,
-                                         description="Evaluate every N steps (and at the end).")
+    log_every_steps: int = Field(
+        1, ge=1, le=MAX_STEPS, description="Progress line and TensorBoard scalars every N steps."
+    )
+    eval_every_steps: int | None = Field(
+        None, ge=1, le=MAX_STEPS, description="Evaluate every N steps (and at the end)."
+    )
     eval_max_batches: int | None = Field(None, ge=1, le=MAX_STEPS, description="Cap on eval batches per evaluation.")
     stop_after_steps: int | None = Field(
         None,
@@ -282,9 +292,17 @@ def load_document(path: str | Path | None, overrides: list[str] | tuple[str, ...
         loaded = read_yaml(_read_text(Path(path)), str(path))
         if loaded is None:
             # A truncated ConfigMap or a wrong file, not a wish for the defaults (those need no file at all).
-            raise ConfigError([Problem("CONFIG", str(path), "is empty (or only comments)",
-                                       "write the config's sections (see examples/), or leave out the file "
-                                       "argument to run the tutorial's defaults")])
+            raise ConfigError(
+                [
+                    Problem(
+                        "CONFIG",
+                        str(path),
+                        "is empty (or only comments)",
+                        "write the config's sections (see examples/), or leave out the file "
+                        "argument to run the tutorial's defaults",
+                    )
+                ]
+            )
         if not isinstance(loaded, dict):
             raise ConfigError([Problem("CONFIG", str(path), "must be a YAML mapping of sections", "see examples/")])
         doc = loaded
@@ -306,15 +324,31 @@ def _read_text(path: Path) -> str:
     except OSError as exc:
         raise ConfigError([Problem("CONFIG", str(path), f"cannot read: {exc.strerror}", "pass a YAML file")]) from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError([Problem("CONFIG", str(path), f"is larger than {MAX_CONFIG_BYTES >> 20} MiB, which no "
-                                   "training config is", "pass the training config YAML, not a data or model file")])
+        raise ConfigError(
+            [
+                Problem(
+                    "CONFIG",
+                    str(path),
+                    f"is larger than {MAX_CONFIG_BYTES >> 20} MiB, which no training config is",
+                    "pass the training config YAML, not a data or model file",
+                )
+            ]
+        )
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         byte = f"0x{raw[exc.start]:02x}"
-        raise ConfigError([Problem("CONFIG", str(path), f"is not UTF-8 text (byte {byte} on line {line})",
-                                   "save it as UTF-8, e.g. iconv -f latin1 -t utf-8")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "CONFIG",
+                    str(path),
+                    f"is not UTF-8 text (byte {byte} on line {line})",
+                    "save it as UTF-8, e.g. iconv -f latin1 -t utf-8",
+                )
+            ]
+        ) from None
 
 
 def read_yaml(text: str, where: str, root: str = "") -> Any:
@@ -344,8 +378,16 @@ def _check_nodes(node: yaml.Node, path: str, sizes: dict[int, int], open_: set[i
         return sizes[id(node)]
     if id(node) in open_:
         line = f"line {node.start_mark.line + 1}"
-        raise ConfigError([Problem(path or "CONFIG", line, "a YAML anchor contains itself",
-                                   "remove the self-referencing alias (&a ... *a)")])
+        raise ConfigError(
+            [
+                Problem(
+                    path or "CONFIG",
+                    line,
+                    "a YAML anchor contains itself",
+                    "remove the self-referencing alias (&a ... *a)",
+                )
+            ]
+        )
     open_.add(id(node))
     total = 1
     if isinstance(node, yaml.MappingNode):
@@ -354,9 +396,18 @@ def _check_nodes(node: yaml.Node, path: str, sizes: dict[int, int], open_: set[i
             line = key.start_mark.line + 1
             if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
                 if (key.tag, key.value) in lines:
-                    raise ConfigError([Problem(_join(path, key.value), key.value, f"is given twice (lines "
-                                               f"{lines[key.tag, key.value]} and {line}); YAML would silently keep "
-                                               "the last", "remove one of them")])
+                    raise ConfigError(
+                        [
+                            Problem(
+                                _join(path, key.value),
+                                key.value,
+                                f"is given twice (lines "
+                                f"{lines[key.tag, key.value]} and {line}); YAML would silently keep "
+                                "the last",
+                                "remove one of them",
+                            )
+                        ]
+                    )
                 lines[key.tag, key.value] = line
             total += _check_nodes(key, path, sizes, open_)
             total += _check_nodes(value, _join(path, getattr(key, "value", "?")), sizes, open_)
@@ -366,10 +417,16 @@ def _check_nodes(node: yaml.Node, path: str, sizes: dict[int, int], open_: set[i
     open_.discard(id(node))
     sizes[id(node)] = total
     if total > MAX_YAML_VALUES:
-        raise ConfigError([Problem(path or "CONFIG", f"more than {MAX_YAML_VALUES:,} values",
-                                   "YAML aliases (*name) expand to far more values than any config has "
-                                   "(an alias bomb?)",
-                                   "write the values out, or use fewer nested aliases")])
+        raise ConfigError(
+            [
+                Problem(
+                    path or "CONFIG",
+                    f"more than {MAX_YAML_VALUES:,} values",
+                    "YAML aliases (*name) expand to far more values than any config has (an alias bomb?)",
+                    "write the values out, or use fewer nested aliases",
+                )
+            ]
+        )
     return total
 
 
@@ -388,8 +445,16 @@ def parse(doc: dict[str, Any]) -> TrainingConfig:
     except ValidationError as exc:
         raise ConfigError([_problem_from_pydantic(err) for err in exc.errors()]) from None
     except (ValueError, RecursionError) as exc:  # e.g. a YAML anchor that contains itself
-        raise ConfigError([Problem("CONFIG", type(exc).__name__, f"cannot be validated: {exc}",
-                                   "remove self-referencing YAML anchors (&a ... *a)")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "CONFIG",
+                    type(exc).__name__,
+                    f"cannot be validated: {exc}",
+                    "remove self-referencing YAML anchors (&a ... *a)",
+                )
+            ]
+        ) from None
 
 
 def without_invalid(doc: dict[str, Any], error: ConfigError) -> TrainingConfig | None:

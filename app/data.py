@@ -65,22 +65,45 @@ def check_source(cfg: DataConfig) -> list[Problem]:
     its columns and a sample of its rows."""
     if not is_local(cfg.dataset):
         if looks_like_path(cfg.dataset):
-            return [Problem("data.dataset", cfg.dataset, f"no such file or folder (relative paths start at "
-                            f"{os.getcwd()}; a hub dataset name has no file suffix and at most one '/')",
-                            "check the path")]
+            return [
+                Problem(
+                    "data.dataset",
+                    cfg.dataset,
+                    f"no such file or folder (relative paths start at "
+                    f"{os.getcwd()}; a hub dataset name has no file suffix and at most one '/')",
+                    "check the path",
+                )
+            ]
         return []  # a hub name: only the run can reach the hub
     if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
         return _saved_problems(cfg)
     try:
         files = _local_files(cfg.dataset)
     except TooManyFiles:
-        return [Problem("data.dataset", cfg.dataset, f"the folder holds more than {MAX_FOLDER_ENTRIES:,} files and "
-                        "folders: that is not one dataset", "point it at the dataset's own folder, or at a glob of its files")]
+        return [
+            Problem(
+                "data.dataset",
+                cfg.dataset,
+                f"the folder holds more than {MAX_FOLDER_ENTRIES:,} files and folders: that is not one dataset",
+                "point it at the dataset's own folder, or at a glob of its files",
+            )
+        ]
     if not files:
-        return [Problem("data.dataset", cfg.dataset, "no json/jsonl/csv/parquet/txt files found there", "check the path or glob")]
+        return [
+            Problem(
+                "data.dataset", cfg.dataset, "no json/jsonl/csv/parquet/txt files found there", "check the path or glob"
+            )
+        ]
     kinds = {LOCAL_BUILDERS.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) > 1:
-        return [Problem("data.dataset", cfg.dataset, f"mixed or unknown file types {sorted(map(str, kinds))}", "point it at files of one type")]
+        return [
+            Problem(
+                "data.dataset",
+                cfg.dataset,
+                f"mixed or unknown file types {sorted(map(str, kinds))}",
+                "point it at files of one type",
+            )
+        ]
     return _sample_problems(cfg, files, kinds.pop())
 
 
@@ -104,8 +127,14 @@ def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Probl
         try:
             columns, values, complete = _read_sample(file, kind, field)
         except ValueError as exc:
-            return [Problem("data.dataset", file, f"cannot be read as {kind}: {str(exc).splitlines()[0][:200]}",
-                            f"fix the file, or point data.dataset at {kind} files")]
+            return [
+                Problem(
+                    "data.dataset",
+                    file,
+                    f"cannot be read as {kind}: {str(exc).splitlines()[0][:200]}",
+                    f"fix the file, or point data.dataset at {kind} files",
+                )
+            ]
         if columns is None:  # a large JSON array: no cheap sample
             whole = False
             continue
@@ -117,17 +146,34 @@ def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Probl
             return [Problem("data.text_field", field, f"no such column in {file}; its columns are {names}", fix)]
         wrong = next((v for v in values if v is not None and not isinstance(v, str)), None)
         if wrong is not None:
-            return [Problem("data.text_field", field, f"column '{field}' of {file} holds {type(wrong).__name__} "
-                            f"values (e.g. {_short(wrong)}), not text",
-                            "set data.text_field to the column that holds the text")]
+            return [
+                Problem(
+                    "data.text_field",
+                    field,
+                    f"column '{field}' of {file} holds {type(wrong).__name__} values (e.g. {_short(wrong)}), not text",
+                    "set data.text_field to the column that holds the text",
+                )
+            ]
         usable += sum(1 for v in values if v is not None and v.strip())
         whole = whole and complete
     if sampled == 0 and whole:
-        return [Problem("data.dataset", cfg.dataset, "is empty" if len(files) == 1 else "every file is empty",
-                        "point it at your data")]
+        return [
+            Problem(
+                "data.dataset",
+                cfg.dataset,
+                "is empty" if len(files) == 1 else "every file is empty",
+                "point it at your data",
+            )
+        ]
     if usable == 0 and whole:
-        return [Problem("data.text_field", field, f"no row of {cfg.dataset} has text in column '{field}' (every value "
-                        "is empty or null)", "point data.dataset at data with text, or set data.text_field")]
+        return [
+            Problem(
+                "data.text_field",
+                field,
+                f"no row of {cfg.dataset} has text in column '{field}' (every value is empty or null)",
+                "point data.dataset at data with text, or set data.text_field",
+            )
+        ]
     return []
 
 
@@ -211,8 +257,14 @@ def _saved_problems(cfg: DataConfig) -> list[Problem]:
     try:
         loaded = datasets.load_from_disk(os.path.expanduser(cfg.dataset))
     except Exception as exc:  # noqa: BLE001 - a damaged folder raises many types
-        return [Problem("data.dataset", cfg.dataset, f"cannot be loaded ({type(exc).__name__})",
-                        "point it at a save_to_disk folder")]
+        return [
+            Problem(
+                "data.dataset",
+                cfg.dataset,
+                f"cannot be loaded ({type(exc).__name__})",
+                "point it at a save_to_disk folder",
+            )
+        ]
     if isinstance(loaded, datasets.DatasetDict):
         name = cfg.split.partition("[")[0]
         if name not in loaded:
@@ -220,14 +272,29 @@ def _saved_problems(cfg: DataConfig) -> list[Problem]:
         loaded = loaded[name]
     field = cfg.text_field
     if field not in loaded.column_names:
-        return [Problem("data.text_field", field, f"no such column; the columns are {loaded.column_names}",
-                        "set data.text_field to the column with the text")]
+        return [
+            Problem(
+                "data.text_field",
+                field,
+                f"no such column; the columns are {loaded.column_names}",
+                "set data.text_field to the column with the text",
+            )
+        ]
     if getattr(loaded.features[field], "dtype", None) not in ("string", "large_string"):
-        return [Problem("data.text_field", field, f"column '{field}' holds {loaded.features[field]}, not text",
-                        "set data.text_field to the column that holds the text")]
+        return [
+            Problem(
+                "data.text_field",
+                field,
+                f"column '{field}' holds {loaded.features[field]}, not text",
+                "set data.text_field to the column that holds the text",
+            )
+        ]
     if len(loaded) <= SAMPLE_ROWS and not any(v and v.strip() for v in loaded[field]):
-        return [Problem("data.text_field", field, f"no row has text in column '{field}'",
-                        "point data.dataset at data with text")]
+        return [
+            Problem(
+                "data.text_field", field, f"no row has text in column '{field}'", "point data.dataset at data with text"
+            )
+        ]
     return []
 
 
@@ -236,8 +303,11 @@ def drop_untrainable(tokenized, cfg: DataConfig, what: str):
     (NaN). Such rows are skipped with one log line."""
     if cfg.packing:
         return tokenized
-    kept = tokenized.filter(lambda batch: [int((torch.as_tensor(row) != -100).sum()) >= 2 for row in batch["labels"]],
-                            batched=True, desc="skip one-token rows")
+    kept = tokenized.filter(
+        lambda batch: [int((torch.as_tensor(row) != -100).sum()) >= 2 for row in batch["labels"]],
+        batched=True,
+        desc="skip one-token rows",
+    )
     if len(kept) < len(tokenized):
         log.warning(f"skipped {len(tokenized) - len(kept):,} {what} documents of a single token (nothing to predict)")
     return kept
@@ -247,8 +317,11 @@ def drop_empty(raw, field: str, what: str):
     """Rows whose text is empty, blank or null are skipped, with one log line, rather than crash the tokenizer."""
     if field not in raw.column_names:
         return raw
-    kept = raw.filter(lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch[field]], batched=True,
-                      desc="skip empty rows")
+    kept = raw.filter(
+        lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch[field]],
+        batched=True,
+        desc="skip empty rows",
+    )
     if len(kept) < len(raw):
         log.warning(f"skipped {len(raw) - len(kept):,} of {len(raw):,} {what} rows whose '{field}' is empty or null")
     return kept
@@ -285,15 +358,31 @@ def _slice(n: int, spec: str) -> range:
 
 
 def cache_key(cfg: DataConfig, tokenizer_name: str, split: str, seed: int) -> str:
-    fields = [cfg.dataset, cfg.config_name, split, cfg.text_field, cfg.seq_length, cfg.packing,
-              cfg.eval_fraction, cfg.eval_split, tokenizer_name, seed, "v1"]
+    fields = [
+        cfg.dataset,
+        cfg.config_name,
+        split,
+        cfg.text_field,
+        cfg.seq_length,
+        cfg.packing,
+        cfg.eval_fraction,
+        cfg.eval_split,
+        tokenizer_name,
+        seed,
+        "v1",
+    ]
     return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()[:16]
 
 
 def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
     """Token ids and labels. Packed: full seq_length blocks. Padded: labels are -100 on padding."""
     if cfg.text_field not in raw.column_names:
-        raise Problem("data.text_field", cfg.text_field, f"no such column; the columns are {raw.column_names}", "set data.text_field")
+        raise Problem(
+            "data.text_field",
+            cfg.text_field,
+            f"no such column; the columns are {raw.column_names}",
+            "set data.text_field",
+        )
     eos = tokenizer.eos_token_id
     seq = cfg.seq_length
     num_proc = num_proc or min(8, os.cpu_count() or 1)
@@ -310,8 +399,14 @@ def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
             return {"input_ids": blocks, "labels": blocks}
 
         # Large map batches keep the tail that each batch drops small.
-        out = raw.map(pack, batched=True, batch_size=4096, remove_columns=raw.column_names, num_proc=num_proc,
-                      desc="tokenize+pack")
+        out = raw.map(
+            pack,
+            batched=True,
+            batch_size=4096,
+            remove_columns=raw.column_names,
+            num_proc=num_proc,
+            desc="tokenize+pack",
+        )
         out.set_format("torch", columns=COLUMNS_PACKED)
         return out
 
@@ -328,7 +423,9 @@ def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
     return out
 
 
-def prepare(cfg: DataConfig, tokenizer, tokenizer_name: str, cache_dir: Path, seed: int, rank: int, barrier) -> tuple[Any, Any]:
+def prepare(
+    cfg: DataConfig, tokenizer, tokenizer_name: str, cache_dir: Path, seed: int, rank: int, barrier
+) -> tuple[Any, Any]:
     """(train, eval or None) tokenized datasets, built by global rank 0 into the shared cache."""
     import datasets
 
@@ -338,8 +435,12 @@ def prepare(cfg: DataConfig, tokenizer, tokenizer_name: str, cache_dir: Path, se
         raw = drop_empty(load_split(cfg, cfg.split), cfg.text_field, "training")
         evalset = drop_empty(load_split(cfg, cfg.eval_split), cfg.text_field, "eval") if cfg.eval_split else None
         if cfg.text_field in raw.column_names and len(raw) == 0:
-            raise Problem("data.text_field", cfg.text_field, f"split {cfg.split} has no row with text",
-                          "point data.dataset at data with text")
+            raise Problem(
+                "data.text_field",
+                cfg.text_field,
+                f"split {cfg.split} has no row with text",
+                "point data.dataset at data with text",
+            )
         if cfg.eval_fraction:
             parts = raw.train_test_split(test_size=cfg.eval_fraction, seed=seed)
             raw, evalset = parts["train"], parts["test"]
@@ -347,7 +448,12 @@ def prepare(cfg: DataConfig, tokenizer, tokenizer_name: str, cache_dir: Path, se
         if evalset is not None:
             parts["eval"] = drop_untrainable(tokenize(evalset, tokenizer, cfg, cfg.num_proc), cfg, "eval")
         if len(parts["train"]) == 0:
-            raise Problem("data.seq_length", cfg.seq_length, "the split yields no training sequence", "use more data or a shorter seq_length")
+            raise Problem(
+                "data.seq_length",
+                cfg.seq_length,
+                "the split yields no training sequence",
+                "use more data or a shorter seq_length",
+            )
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         datasets.DatasetDict(parts).save_to_disk(str(tmp))
@@ -404,8 +510,15 @@ def packed_batch(input_ids: torch.Tensor, labels: torch.Tensor, eos_id: int) -> 
     position_ids = index - torch.where(starts, index, 0).cummax(dim=1).values
     bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows * seq])]).to(torch.int32)
     longest = int((bounds[1:] - bounds[:-1]).max())
-    return {"input_ids": input_ids, "labels": labels.masked_fill(starts, -100), "position_ids": position_ids,
-            "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+    return {
+        "input_ids": input_ids,
+        "labels": labels.masked_fill(starts, -100),
+        "position_ids": position_ids,
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 class PackedCollator:
@@ -415,8 +528,9 @@ class PackedCollator:
         self.eos_id = eos_id
 
     def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        return packed_batch(torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows]),
-                            self.eos_id)
+        return packed_batch(
+            torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows]), self.eos_id
+        )
 
 
 def collator(cfg: DataConfig, tokenizer) -> PackedCollator | None:
@@ -424,12 +538,19 @@ def collator(cfg: DataConfig, tokenizer) -> PackedCollator | None:
     return PackedCollator(tokenizer.eos_token_id) if cfg.packing and cfg.separate_documents else None
 
 
-def make_loader(dataset, micro_batch: int, world: int, rank: int, shuffle: bool, seed: int, workers: int,
-                collate_fn=None) -> DataLoader:
+def make_loader(
+    dataset, micro_batch: int, world: int, rank: int, shuffle: bool, seed: int, workers: int, collate_fn=None
+) -> DataLoader:
     sampler = ResumableSampler(dataset, world, rank, shuffle, seed)
     return DataLoader(
-        dataset, batch_size=micro_batch, sampler=sampler, drop_last=True, num_workers=workers, collate_fn=collate_fn,
-        pin_memory=torch.cuda.is_available(), persistent_workers=False,
+        dataset,
+        batch_size=micro_batch,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        collate_fn=collate_fn,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=False,
         # Its own generator: otherwise each new iterator draws from the global RNG and a resumed run's
         # dropout masks would differ from an uninterrupted run's.
         generator=torch.Generator().manual_seed(seed),

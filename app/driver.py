@@ -28,8 +28,17 @@ log = logging.getLogger("finetune")
 DS_CONFIG_RECORD = "ds_config.json"
 
 # Environment the workers need to see, whether Ray started here or runs on a cluster.
-PASSTHROUGH_PREFIXES = ("HF_", "HUGGING_FACE", "TRANSFORMERS_", "NCCL_", "TORCH_", "CUDA_", "DS_", "OMP_",
-                        "FINETUNE_")  # progress reporting (FINETUNE_RAYJOB_*) and test-only hooks
+PASSTHROUGH_PREFIXES = (
+    "HF_",
+    "HUGGING_FACE",
+    "TRANSFORMERS_",
+    "NCCL_",
+    "TORCH_",
+    "CUDA_",
+    "DS_",
+    "OMP_",
+    "FINETUNE_",
+)  # progress reporting (FINETUNE_RAYJOB_*) and test-only hooks
 # Never passed on: Ray's runtime environment is readable by anyone who reaches the dashboard (`ray list
 # runtime-envs`). Workers get such variables from their own environment (on KubeRay: the Secret, via the chart).
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$)", re.IGNORECASE)
@@ -45,14 +54,22 @@ def storage_problems(storage_path: str) -> list[Problem]:
     except OSError as exc:
         return [Problem(field, storage_path, f"is not a usable path ({exc.strerror})", "use a shorter folder path")]
     if not probe.is_dir():
-        return [Problem(field, storage_path, f"{probe} is not a folder", "point it at a folder (a mounted volume on Kubernetes)")]
+        return [
+            Problem(
+                field, storage_path, f"{probe} is not a folder", "point it at a folder (a mounted volume on Kubernetes)"
+            )
+        ]
     try:
         # O_TMPFILE: an unnamed file, so the check never leaves an entry in the folder.
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as exc:
         reason = "read-only" if exc.errno == errno.EROFS else exc.strerror
-        return [Problem(field, storage_path, f"{probe} is not writable ({reason})", "mount it read-write or choose another path")]
+        return [
+            Problem(
+                field, storage_path, f"{probe} is not writable ({reason})", "mount it read-write or choose another path"
+            )
+        ]
     return []
 
 
@@ -65,15 +82,33 @@ def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Pro
         if offline and not local:
             from transformers import AutoConfig
 
-            mc = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=cfg.model.trust_remote_code)
+            mc = AutoConfig.from_pretrained(
+                source, local_files_only=True, trust_remote_code=cfg.model.trust_remote_code
+            )
         else:
             mc = load_model_config(cfg.model)
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot read it now"
         if local:
-            return None, [Problem("model.name_or_path", cfg.model.name_or_path, f"not a model folder ({type(exc).__name__})",
-                                  "point it at a from_pretrained folder")], None
-        return None, [], (f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
-                          "model-shape 'auto' values are checked at run start")
+            return (
+                None,
+                [
+                    Problem(
+                        "model.name_or_path",
+                        cfg.model.name_or_path,
+                        f"not a model folder ({type(exc).__name__})",
+                        "point it at a from_pretrained folder",
+                    )
+                ],
+                None,
+            )
+        return (
+            None,
+            [],
+            (
+                f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
+                "model-shape 'auto' values are checked at run start"
+            ),
+        )
     return mc, check_seq_length(cfg.data.seq_length, mc), None
 
 
@@ -85,18 +120,42 @@ def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     config on a laptop without it is fine."""
     liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
     if cfg.model.compile and liger and cfg.deepspeed.zero3:
-        return [Problem("model.compile", True, "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
-                        "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
-                        "set model.compile=false (the default), or model.liger_kernels=false")]
+        return [
+            Problem(
+                "model.compile",
+                True,
+                "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
+                "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
+                "set model.compile=false (the default), or model.liger_kernels=false",
+            )
+        ]
     if cfg.model.fp8 and cfg.model.compile:
-        return [Problem("model.fp8", True, "FP8 compiles its own casts; inside model.compile's whole-model graph it is untried",
-                        "set model.compile=false, or model.fp8=false")]
+        return [
+            Problem(
+                "model.fp8",
+                True,
+                "FP8 compiles its own casts; inside model.compile's whole-model graph it is untried",
+                "set model.compile=false, or model.fp8=false",
+            )
+        ]
     if cfg.model.fp8 and importlib.util.find_spec("torchao") is None:
-        return [Problem("model.fp8", True, "torchao is not installed here (the image has it)",
-                        "pip install torchao, or set model.fp8=false")]
+        return [
+            Problem(
+                "model.fp8",
+                True,
+                "torchao is not installed here (the image has it)",
+                "pip install torchao, or set model.fp8=false",
+            )
+        ]
     if cfg.model.liger_kernels is True and not cfg.scaling.use_gpu:
-        return [Problem("model.liger_kernels", True, "Liger's kernels run on GPUs only (Triton) and scaling.use_gpu is "
-                        "false", "set model.liger_kernels=auto (GPUs only) or false")]
+        return [
+            Problem(
+                "model.liger_kernels",
+                True,
+                "Liger's kernels run on GPUs only (Triton) and scaling.use_gpu is false",
+                "set model.liger_kernels=auto (GPUs only) or false",
+            )
+        ]
     return []
 
 
@@ -115,13 +174,20 @@ def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
         json.dumps(cfg.model_dump(mode="json"), ensure_ascii=False).encode()
         json.dumps(cfg.deepspeed.to_dict(), allow_nan=True)
     except (TypeError, ValueError) as exc:  # a date, bytes, a lone surrogate, a YAML anchor that contains itself
-        return [Problem("CONFIG", "...", f"is not plain text and JSON data: {exc}",
-                        "use only mappings, lists, UTF-8 strings, numbers, booleans and null (quote dates)")]
+        return [
+            Problem(
+                "CONFIG",
+                "...",
+                f"is not plain text and JSON data: {exc}",
+                "use only mappings, lists, UTF-8 strings, numbers, booleans and null (quote dates)",
+            )
+        ]
     return []
 
 
-def prepare(cfg: TrainingConfig, offline: bool = True, with_ray: bool = False
-            ) -> tuple[TrainingConfig, dict[str, Any], str | None]:
+def prepare(
+    cfg: TrainingConfig, offline: bool = True, with_ray: bool = False
+) -> tuple[TrainingConfig, dict[str, Any], str | None]:
     """The config this run uses (the resume plan applied first: a changed number of workers may change gradient
     accumulation), its DeepSpeed config and a note; raises ConfigError with every problem found. `with_ray`
     (`finetune train`): Ray starts while the model config is checked (see `check`)."""
@@ -142,8 +208,12 @@ def _start_ray_unless_finished(cfg: TrainingConfig) -> None:
         start_ray(cfg)
 
 
-def check(cfg: TrainingConfig, offline: bool = True, problems: list[Problem] | None = None,
-          meanwhile: Callable[[], None] | None = None) -> tuple[dict[str, Any], str | None]:
+def check(
+    cfg: TrainingConfig,
+    offline: bool = True,
+    problems: list[Problem] | None = None,
+    meanwhile: Callable[[], None] | None = None,
+) -> tuple[dict[str, Any], str | None]:
     """Every check that can run before the workers start, after `problems` already found; raises ConfigError
     with all of them. Reads `cfg`, never changes it. `meanwhile` (starting Ray) runs once every check has passed,
     while the model is counted on the meta device in a thread (the layer sizes of the "auto" ZeRO-3 values): that
@@ -174,7 +244,9 @@ def preflight_problems(cfg: TrainingConfig) -> list[Problem]:
     try:
         problems += data.check_source(cfg.data)
     except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
-        problems.append(Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files"))
+        problems.append(
+            Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files")
+        )
     return problems
 
 
@@ -208,9 +280,11 @@ def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
     path = cfg.experiment_dir / DS_CONFIG_RECORD
     write_atomic(path, json.dumps(ds, indent=2) + "\n")
     # One line in the (quiet) log; the whole config is in the file.
-    log.info(f"DeepSpeed config: ZeRO-{cfg.zero_stage}, {ds['train_batch_size']} sequences a step "
-             f"({ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} accumulation x "
-             f"{cfg.scaling.num_workers} workers), {cfg.train.precision}; every value in {path}")
+    log.info(
+        f"DeepSpeed config: ZeRO-{cfg.zero_stage}, {ds['train_batch_size']} sequences a step "
+        f"({ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} accumulation x "
+        f"{cfg.scaling.num_workers} workers), {cfg.train.precision}; every value in {path}"
+    )
 
 
 _ray_marks: dict[str, float] = {}  # wall-clock "driver" (Ray asked for) and "ray_started", for the breakdown
@@ -268,11 +342,18 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     trainer = TorchTrainer(
         train_loop,
         # The lease token: the workers check it before completing a checkpoint (app/checkpoint/saving.py).
-        train_loop_config={"config": cfg.model_dump(mode="json"), "ds_config": ds, "startup": marks,
-                           "lease_token": lease_token},
+        train_loop_config={
+            "config": cfg.model_dump(mode="json"),
+            "ds_config": ds,
+            "startup": marks,
+            "lease_token": lease_token,
+        },
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
-                                     resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}),
+        scaling_config=ScalingConfig(
+            num_workers=s.num_workers,
+            use_gpu=s.use_gpu,
+            resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})},
+        ),
         run_config=RunConfig(
             name=cfg.experiment.name,
             storage_path=str(Path(cfg.experiment.storage_path).expanduser().resolve()),

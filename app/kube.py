@@ -72,8 +72,10 @@ def connect(prefer_in_cluster: bool = False, retries: int | bool = 1):
             continue
         cfg.retries = retries
         return client.ApiClient(cfg), namespace, source
-    raise KubeError("no Kubernetes credentials: set KUBECONFIG (or create ~/.kube/config), or run inside a pod "
-                    f"with a ServiceAccount ({'; '.join(reasons)})")
+    raise KubeError(
+        "no Kubernetes credentials: set KUBECONFIG (or create ~/.kube/config), or run inside a pod "
+        f"with a ServiceAccount ({'; '.join(reasons)})"
+    )
 
 
 def status_message(exc) -> str:
@@ -104,32 +106,52 @@ def describe(exc: BaseException, action: str, namespace: str, host: str | None =
         msg = status_message(exc)
         code = exc.status
         if code == 401:
-            return f"cannot {action}: the API server{where} rejected the credentials (401 Unauthorized); log in again or check the kubeconfig user"
+            return (
+                f"cannot {action}: the API server{where} rejected the credentials (401 Unauthorized); log in "
+                f"again or check the kubeconfig user"
+            )
         if code == 403:
-            return f"cannot {action} in namespace {namespace}: forbidden (403: {msg}); check the RBAC of your user or ServiceAccount ({can_i})"
+            return (
+                f"cannot {action} in namespace {namespace}: forbidden (403: {msg}); check the RBAC of your "
+                f"user or ServiceAccount ({can_i})"
+            )
         if code == 404:
-            return f"cannot {action} in namespace {namespace}: not found (404: {msg}); check the namespace (-n) and that the KubeRay operator and its CRDs (ray.io/v1) are installed"
+            return (
+                f"cannot {action} in namespace {namespace}: not found (404: {msg}); check the namespace (-n) "
+                f"and that the KubeRay operator and its CRDs (ray.io/v1) are installed"
+            )
         if code == 409:
-            return f"cannot {action}: conflict (409: {msg}); someone changed or re-created it meanwhile, look again and retry"
+            return (
+                f"cannot {action}: conflict (409: {msg}); someone changed or re-created it meanwhile, look "
+                f"again and retry"
+            )
         if code == 422:
             return f"cannot {action}: the API server rejected the object (422: {msg})"
         if code == 400:
             return f"cannot {action}: bad request (400: {msg})"
         if code in (None, 0):
             return f"cannot {action}: {msg or exc}"
-        return f"cannot {action}: the API server{where} answered {code} ({msg}); check the cluster's health and try again"
+        return (
+            f"cannot {action}: the API server{where} answered {code} ({msg}); check the cluster's health and try again"
+        )
     text = str(exc)
     reason = getattr(exc, "reason", None) or exc
     if isinstance(reason, (u3.NewConnectionError, ConnectionRefusedError)) or "refused" in text.lower():
         # NewConnectionError is a ConnectTimeoutError subclass in urllib3 2: test it first.
         detail = "connection refused" if "refused" in text.lower() else "cannot connect"
-        return (f"cannot {action}: cannot reach the Kubernetes API{where} ({detail}); check the kubeconfig context "
-                "(kubectl config current-context) and that the cluster is up")
+        return (
+            f"cannot {action}: cannot reach the Kubernetes API{where} ({detail}); check the kubeconfig context "
+            "(kubectl config current-context) and that the cluster is up"
+        )
     if isinstance(reason, (u3.TimeoutError, TimeoutError)) or "timed out" in text.lower():
-        return (f"cannot {action}: the Kubernetes API{where} did not answer in time; check the network/VPN and "
-                "that the cluster is up (kubectl cluster-info)")
+        return (
+            f"cannot {action}: the Kubernetes API{where} did not answer in time; check the network/VPN and "
+            "that the cluster is up (kubectl cluster-info)"
+        )
     if isinstance(exc, (u3.HTTPError, OSError)):
-        return (f"cannot {action}: cannot reach the Kubernetes API{where} ({type(reason).__name__}); check the "
-                "kubeconfig context (kubectl config current-context) and that the cluster is up")
+        return (
+            f"cannot {action}: cannot reach the Kubernetes API{where} ({type(reason).__name__}); check the "
+            "kubeconfig context (kubectl config current-context) and that the cluster is up"
+        )
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return f"cannot {action}: {type(exc).__name__}: {first}"

@@ -20,6 +20,7 @@ Guarantee: at most one live holder, provided the clocks of the nodes and the fil
 within the timeout (NTP), and a holder is not frozen (SIGSTOP, a VM pause) for longer than the timeout; a
 frozen holder that wakes up stops at its next heartbeat, within timeout/4.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,10 +62,14 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         in_pod = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
-        self.info = {"token": self.token, **_identity(os.getpid()),
-                     "pod": os.environ.get("HOSTNAME") if in_pod else None,
-                     "namespace": _pod_namespace() if in_pod else None,
-                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timeout_s": timeout_s}
+        self.info = {
+            "token": self.token,
+            **_identity(os.getpid()),
+            "pod": os.environ.get("HOSTNAME") if in_pod else None,
+            "namespace": _pod_namespace() if in_pod else None,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timeout_s": timeout_s,
+        }
 
     # -- acquiring -----------------------------------------------------------------------------------------
     def acquire(self, wait: bool = False, poll_s: float = 5.0) -> Lease:
@@ -84,8 +89,10 @@ class Lease:
             if not wait:
                 raise LeaseHeld(self.path, holder, age, self._limit(holder))
             if not announced:
-                log.warning(f"waiting for the lease on {self.path.parent} held by {holder.get('host')} pid "
-                            f"{holder.get('pid')} (last heartbeat {age:.0f}s ago)")
+                log.warning(
+                    f"waiting for the lease on {self.path.parent} held by {holder.get('host')} pid "
+                    f"{holder.get('pid')} (last heartbeat {age:.0f}s ago)"
+                )
                 announced = True
             time.sleep(poll_s)
         self._thread = threading.Thread(target=self._beat, name="lease-heartbeat", daemon=True)
@@ -197,8 +204,10 @@ def holds(run_dir: Path, token: str | None) -> bool:
 
 
 def _exit_lost(lease: Lease, holder: dict | None) -> None:
-    log.error(f"lost the lease on {lease.path.parent} (now held by {holder}); stopping so that two runs never "
-              "write the same experiment folder")
+    log.error(
+        f"lost the lease on {lease.path.parent} (now held by {holder}); stopping so that two runs never "
+        "write the same experiment folder"
+    )
     os._exit(3)
 
 
@@ -207,8 +216,13 @@ def _exit_lost(lease: Lease, holder: dict | None) -> None:
 
 def _identity(pid: int) -> dict:
     """Where a process runs: with the same host, boot and pid namespace, its pid can be looked up here."""
-    return {"host": socket.gethostname(), "pid": pid, "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-            "pid_ns": _link("/proc/self/ns/pid"), "pid_start": _process(pid)[1] if _process(pid) else None}
+    return {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": _link("/proc/self/ns/pid"),
+        "pid_start": _process(pid)[1] if _process(pid) else None,
+    }
 
 
 def _read(path: str) -> str | None:
@@ -290,14 +304,23 @@ def _get_rayjob(namespace: str, name: str) -> dict | int | None:
         api, _, _ = kube.connect(prefer_in_cluster=True, retries=False)
         with api:
             return client.CustomObjectsApi(api).get_namespaced_custom_object(
-                "ray.io", "v1", namespace, "rayjobs", name,
-                _request_timeout=(kube.CONNECT_TIMEOUT_S, kube.READ_TIMEOUT_S))
+                "ray.io",
+                "v1",
+                namespace,
+                "rayjobs",
+                name,
+                _request_timeout=(kube.CONNECT_TIMEOUT_S, kube.READ_TIMEOUT_S),
+            )
     except ApiException as exc:
         if exc.status == 404:
             return 404
-        log.info(f"cannot read RayJob {namespace}/{name}, so a lease held under it expires by timeout only: "
-                 f"{kube.describe(exc, 'get rayjobs', namespace)}")
+        log.info(
+            f"cannot read RayJob {namespace}/{name}, so a lease held under it expires by timeout only: "
+            f"{kube.describe(exc, 'get rayjobs', namespace)}"
+        )
     except Exception as exc:  # noqa: BLE001 - no credentials, no network: the timeout decides
-        log.info(f"cannot read RayJob {namespace}/{name} ({kube.describe(exc, 'get rayjobs', namespace)}); a lease "
-                 "held under it expires by timeout only")
+        log.info(
+            f"cannot read RayJob {namespace}/{name} ({kube.describe(exc, 'get rayjobs', namespace)}); a lease "
+            "held under it expires by timeout only"
+        )
     return None

@@ -33,8 +33,15 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq: int) -> floa
 class MetricsLogger:
     """Lives on rank 0 only; other ranks never construct one."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, flops_per_tok: float | None,
-                 world_size: int = 1, resumed_from: str | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        flops_per_tok: float | None,
+        world_size: int = 1,
+        resumed_from: str | None = None,
+    ):
         from torch.utils.tensorboard import SummaryWriter
 
         from app.progress import ProgressPublisher
@@ -47,17 +54,41 @@ class MetricsLogger:
         # Live progress on the RayJob, when running under one (None elsewhere).
         self.progress = ProgressPublisher.from_env(interval_s=30.0)
         if self.progress:
-            self.progress.update({"step": start_step, "total_steps": total_steps, "world_size": world_size,
-                                  "resumed_from": resumed_from}, force=True)
+            self.progress.update(
+                {
+                    "step": start_step,
+                    "total_steps": total_steps,
+                    "world_size": world_size,
+                    "resumed_from": resumed_from,
+                },
+                force=True,
+            )
 
-    def step(self, step: int, epoch: int, loss: float, lr: float, grad_norm: float | None,
-             tokens_per_s_per_gpu: float, step_time: float, data_wait: float = 0.0) -> dict[str, Any]:
+    def step(
+        self,
+        step: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        tokens_per_s_per_gpu: float,
+        step_time: float,
+        data_wait: float = 0.0,
+    ) -> dict[str, Any]:
         done = step - self.start_step
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(done, 1) * (self.total - step)
-        record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s_per_gpu": tokens_per_s_per_gpu, "step_time_s": step_time, "eta_s": eta,
-                  "data_wait_s": data_wait}
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
+            "step_time_s": step_time,
+            "eta_s": eta,
+            "data_wait_s": data_wait,
+        }
         if self.flops_per_tok and self.peak:
             record["mfu"] = tokens_per_s_per_gpu * self.flops_per_tok / self.peak
         if torch.cuda.is_available():
@@ -107,9 +138,20 @@ class MetricsLogger:
         if background and stall_s < total_s:  # else the loop waited for all of it: the last save, a preemption's
             how = f"training waited {stall_s:.2f} s, written in the background in {total_s:.2f} s"
         log.info(f"checkpoint saved: {path} ({how})")
-        self.jsonl.write(json.dumps({"kind": "checkpoint", "time": time.time(), "step": step, "path": str(path),
-                                     "stall_s": round(stall_s, 3), "total_s": round(total_s, 3),
-                                     "background": background}) + "\n")
+        self.jsonl.write(
+            json.dumps(
+                {
+                    "kind": "checkpoint",
+                    "time": time.time(),
+                    "step": step,
+                    "path": str(path),
+                    "stall_s": round(stall_s, 3),
+                    "total_s": round(total_s, 3),
+                    "background": background,
+                }
+            )
+            + "\n"
+        )
         self.jsonl.flush()
         if self.progress:
             self.progress.update({"last_checkpoint": str(path), "last_checkpoint_step": step}, force=True)

@@ -13,14 +13,13 @@ import torch
 
 from app.config import ModelConfig, Problem, TrainConfig
 
-
 RANDOM_INIT = "random-init:"
 
 
 def model_source(name_or_path: str) -> tuple[str, bool]:
     """(what from_pretrained reads, whether the weights are freshly initialised instead of loaded)."""
     if name_or_path.startswith(RANDOM_INIT):
-        return name_or_path[len(RANDOM_INIT):], True
+        return name_or_path[len(RANDOM_INIT) :], True
     return name_or_path, False
 
 
@@ -60,7 +59,9 @@ def zero3_leaf_layers(model_config, trust_remote_code: bool = False) -> tuple[li
     if model is None:
         return [], 0
     names = set(getattr(model, "_no_split_modules", None) or [])
-    sizes = {type(m).__name__: sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names}
+    sizes = {
+        type(m).__name__: sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names
+    }
     fit = {name: size for name, size in sizes.items() if 0 < size <= MAX_LEAF_PARAMS}
     return sorted(fit), max(fit.values(), default=0)
 
@@ -76,7 +77,14 @@ def context_length(model_config) -> int | None:
 def check_seq_length(seq_length: int, model_config) -> list[Problem]:
     limit = context_length(model_config)
     if limit is not None and seq_length > limit:
-        return [Problem("data.seq_length", seq_length, f"above the model's context of {limit} tokens", f"set data.seq_length <= {limit}")]
+        return [
+            Problem(
+                "data.seq_length",
+                seq_length,
+                f"above the model's context of {limit} tokens",
+                f"set data.seq_length <= {limit}",
+            )
+        ]
     return []
 
 
@@ -120,11 +128,12 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: 
         mc = load_model_config(cfg)
         for key, value in overrides.items():
             setattr(mc, key, value)
-        model = AutoModelForCausalLM.from_config(mc, attn_implementation=attn,
-                                                 trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(mc, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code,
+            path,
+            attn_implementation=attn,
+            trust_remote_code=cfg.trust_remote_code,
             **overrides,
         )
     del keep_alive
@@ -152,12 +161,21 @@ def _apply_liger(model, required: bool) -> None:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as exc:
-        raise Problem("model.liger_kernels", True, f"liger-kernel is not importable ({exc})", "pip install liger-kernel, or set it false") from None
+        raise Problem(
+            "model.liger_kernels",
+            True,
+            f"liger-kernel is not importable ({exc})",
+            "pip install liger-kernel, or set it false",
+        ) from None
     model_type = getattr(model.config, "model_type", None)
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         if required:
-            raise Problem("model.liger_kernels", True, f"Liger has no kernels for model type {model_type!r}",
-                          "set model.liger_kernels to auto or false")
+            raise Problem(
+                "model.liger_kernels",
+                True,
+                f"Liger has no kernels for model type {model_type!r}",
+                "set model.liger_kernels to auto or false",
+            )
         return
     _apply_liger_kernel_to_instance(model=model)
 
@@ -169,8 +187,11 @@ def fp8_linears(model) -> list[torch.nn.Module]:
     """The layers model.fp8 converts: every torch.nn.Linear but the output head (Liger's fused loss reads its
     weight directly) whose sizes FP8 matmuls take (multiples of 16)."""
     head = model.get_output_embeddings()
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
-            and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not head and m.in_features % 16 == 0 and m.out_features % 16 == 0
+    ]
 
 
 def fp8_problems(model) -> list[Problem]:
@@ -178,8 +199,15 @@ def fp8_problems(model) -> list[Problem]:
     the meta-device model before any cluster starts (driver.check) and again on the real one."""
     if fp8_linears(model):
         return []
-    return [Problem("model.fp8", True, f"this {model.config.model_type} model has no torch.nn.Linear layer with sizes "
-                    "divisible by 16 besides its output head (GPT-2's are Conv1D)", "set model.fp8=false")]
+    return [
+        Problem(
+            "model.fp8",
+            True,
+            f"this {model.config.model_type} model has no torch.nn.Linear layer with sizes "
+            "divisible by 16 besides its output head (GPT-2's are Conv1D)",
+            "set model.fp8=false",
+        )
+    ]
 
 
 def _apply_fp8(model, compiled: bool) -> None:
@@ -191,8 +219,12 @@ def _apply_fp8(model, compiled: bool) -> None:
     that a compiled graph serves every layer of the same shape."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability()
-        raise Problem("model.fp8", True, f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has "
-                      "no FP8 tensor cores", "set model.fp8=false, or run on GPUs of compute capability 8.9 or newer")
+        raise Problem(
+            "model.fp8",
+            True,
+            f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no FP8 tensor cores",
+            "set model.fp8=false, or run on GPUs of compute capability 8.9 or newer",
+        )
     if problems := fp8_problems(model):
         raise problems[0]
     from torchao.float8 import convert_to_float8_training

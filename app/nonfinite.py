@@ -36,8 +36,10 @@ class NonFiniteGuard:
         """After optimizer step `step`, with that step's loss (summed over its micro-batches) on this rank."""
         grad_bad = grad_norm is not None and not math.isfinite(float(grad_norm))
         # fp16's loss scaler skips a step whose gradients overflowed, and lowers the scale: that is its job.
-        flags = torch.tensor([0.0 if torch.isfinite(loss).all() else 1.0,
-                              1.0 if grad_bad and self.precision != "fp16" else 0.0], device=loss.device)
+        flags = torch.tensor(
+            [0.0 if torch.isfinite(loss).all() else 1.0, 1.0 if grad_bad and self.precision != "fp16" else 0.0],
+            device=loss.device,
+        )
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         loss_bad, grad_bad = bool(flags[0].item()), bool(flags[1].item())
@@ -48,20 +50,27 @@ class NonFiniteGuard:
         self.first_bad = self.first_bad or step
         what = " and ".join(w for w, bad in (("loss", loss_bad), ("gradient norm", grad_bad)) if bad)
         if self.streak < self.limit:
-            log.warning(f"step {step}: non-finite {what} ({self.streak} of at most {self.limit} in a row); "
-                        "no checkpoint is saved until a step is finite again")
+            log.warning(
+                f"step {step}: non-finite {what} ({self.streak} of at most {self.limit} in a row); "
+                "no checkpoint is saved until a step is finite again"
+            )
             return
         raise NonFiniteError(
             f"step {step}: non-finite {what} for {self.streak} consecutive steps (since step {self.first_bad}); "
             f"likely cause: {self._cause(loss_bad, grad_bad)}. The last checkpoint saved before step "
             f"{self.first_bad} is the last good one; fix the cause and deploy again to resume from it "
-            "(train.nonfinite_steps_limit sets how many such steps are tolerated)")
+            "(train.nonfinite_steps_limit sets how many such steps are tolerated)"
+        )
 
     def _cause(self, loss_bad: bool, grad_bad: bool) -> str:
         if self.precision == "fp16":
             return "fp16 overflow in the forward pass (use precision bf16, or lower train.learning_rate)"
         if grad_bad and not loss_bad:
-            return (f"diverging updates: train.learning_rate {self.learning_rate:g} is too high (lower it, add "
-                    "train.warmup_steps, or keep train.max_grad_norm on)")
-        return (f"the model diverged (train.learning_rate {self.learning_rate:g} too high? lower it or add "
-                "train.warmup_steps), or a batch has no token to predict")
+            return (
+                f"diverging updates: train.learning_rate {self.learning_rate:g} is too high (lower it, add "
+                "train.warmup_steps, or keep train.max_grad_norm on)"
+            )
+        return (
+            f"the model diverged (train.learning_rate {self.learning_rate:g} too high? lower it or add "
+            "train.warmup_steps), or a batch has no token to predict"
+        )

@@ -21,7 +21,8 @@ from typing import Any
 
 from app import kube, logs
 from app.errors import seconds
-from app.progress import duration, parse as parse_progress
+from app.progress import duration
+from app.progress import parse as parse_progress
 
 EXIT_OK, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_API = 0, 1, 2, 3
 COMMANDS = ("status", "logs", "resume")
@@ -40,44 +41,72 @@ class OpsError(Exception):
 
 def register(sub) -> None:
     """Add `status`, `logs` and `resume` to the CLI's subparsers."""
-    epilog = ("Credentials: the kubeconfig's current context (KUBECONFIG or ~/.kube/config), else the pod's "
-              f"ServiceAccount. The experiment's RayJobs are those labelled {kube.EXPERIMENT_LABEL}=EXPERIMENT.")
+    epilog = (
+        "Credentials: the kubeconfig's current context (KUBECONFIG or ~/.kube/config), else the pod's "
+        f"ServiceAccount. The experiment's RayJobs are those labelled {kube.EXPERIMENT_LABEL}=EXPERIMENT."
+    )
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("experiment", metavar="EXPERIMENT", help="experiment name (training.experiment.name in the chart)")
-        p.add_argument("-n", "--namespace", help="namespace of the RayJob (default: the kubeconfig context's, else 'default')")
+        p.add_argument(
+            "experiment", metavar="EXPERIMENT", help="experiment name (training.experiment.name in the chart)"
+        )
+        p.add_argument(
+            "-n", "--namespace", help="namespace of the RayJob (default: the kubeconfig context's, else 'default')"
+        )
 
-    p = sub.add_parser("status", help="show an experiment's RayJob state and live training progress",
-                       description="Show the experiment's RayJob(s): job and deployment status, RayCluster, retry "
-                                   "counts, start/end, and the latest progress record the training publishes on the "
-                                   "RayJob (step, loss, tokens/s, ETA, last checkpoint). Exit 0 when running, pending "
-                                   "or succeeded, 1 when failed, 2 when no RayJob is found, 3 when the API cannot be asked.",
-                       epilog=epilog)
+    p = sub.add_parser(
+        "status",
+        help="show an experiment's RayJob state and live training progress",
+        description="Show the experiment's RayJob(s): job and deployment status, RayCluster, retry "
+        "counts, start/end, and the latest progress record the training publishes on the "
+        "RayJob (step, loss, tokens/s, ETA, last checkpoint). Exit 0 when running, pending "
+        "or succeeded, 1 when failed, 2 when no RayJob is found, 3 when the API cannot be asked.",
+        epilog=epilog,
+    )
     common(p)
     p.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format (default: table)")
 
-    p = sub.add_parser("logs", help="print (or follow) the logs of an experiment's job submitter or Ray head",
-                       description="Print the logs of the experiment's newest RayJob: its submitter (the pod of the "
-                                   "Kubernetes Job that runs `ray job submit`, or the head's submitter sidecar), which "
-                                   "carry the training driver's output; the Ray head pod's when there is no submitter "
-                                   "or with --head.", epilog=epilog)
+    p = sub.add_parser(
+        "logs",
+        help="print (or follow) the logs of an experiment's job submitter or Ray head",
+        description="Print the logs of the experiment's newest RayJob: its submitter (the pod of the "
+        "Kubernetes Job that runs `ray job submit`, or the head's submitter sidecar), which "
+        "carry the training driver's output; the Ray head pod's when there is no submitter "
+        "or with --head.",
+        epilog=epilog,
+    )
     common(p)
-    p.add_argument("-f", "--follow", action="store_true", help="keep streaming new lines until the container ends (Ctrl-C stops)")
+    p.add_argument(
+        "-f", "--follow", action="store_true", help="keep streaming new lines until the container ends (Ctrl-C stops)"
+    )
     p.add_argument("--head", action="store_true", help="show the Ray head pod's container instead of the submitter")
     p.add_argument("--tail", type=int, metavar="N", help="only the last N lines")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="every line the pod wrote; default: the quiet view of a local run (app lines and warnings)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="every line the pod wrote; default: the quiet view of a local run (app lines and warnings)",
+    )
 
-    p = sub.add_parser("resume", help="delete and re-create a finished, failed or stuck RayJob so it resumes",
-                       description="Delete the experiment's RayJob (with its own RayCluster; never the checkpoint "
-                                   "PVC) and create it again with the same spec, read from the live object minus "
-                                   "status and server-set fields. The new run continues from the last complete "
-                                   "checkpoint of the experiment. Refuses while the job is pending or running unless "
-                                   "--force. The spec is saved to a file first, so it is never lost.", epilog=epilog)
+    p = sub.add_parser(
+        "resume",
+        help="delete and re-create a finished, failed or stuck RayJob so it resumes",
+        description="Delete the experiment's RayJob (with its own RayCluster; never the checkpoint "
+        "PVC) and create it again with the same spec, read from the live object minus "
+        "status and server-set fields. The new run continues from the last complete "
+        "checkpoint of the experiment. Refuses while the job is pending or running unless "
+        "--force. The spec is saved to a file first, so it is never lost.",
+        epilog=epilog,
+    )
     common(p)
     p.add_argument("--force", action="store_true", help="also resume a job that is pending or running (e.g. stuck)")
-    p.add_argument("--wait", type=seconds, default=600, metavar="SECONDS",
-                   help="how long to wait for the old RayJob and its RayCluster to be gone (default: 600)")
+    p.add_argument(
+        "--wait",
+        type=seconds,
+        default=600,
+        metavar="SECONDS",
+        help="how long to wait for the old RayJob and its RayCluster to be gone (default: 600)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -97,11 +126,15 @@ def main(args: argparse.Namespace) -> int:
 
 def check_name(experiment: str, namespace: str | None) -> None:
     if not LABEL_VALUE.match(experiment or ""):
-        raise OpsError(f"EXPERIMENT {experiment!r} is not a valid experiment name: use at most 63 letters, digits, "
-                       "'-', '_' or '.', starting and ending with a letter or digit", EXIT_NOT_FOUND)
+        raise OpsError(
+            f"EXPERIMENT {experiment!r} is not a valid experiment name: use at most 63 letters, digits, "
+            "'-', '_' or '.', starting and ending with a letter or digit",
+            EXIT_NOT_FOUND,
+        )
     if namespace is not None and not DNS_LABEL.match(namespace):
-        raise OpsError(f"-n {namespace!r} is not a valid namespace: lowercase letters, digits and '-', at most 63",
-                       EXIT_NOT_FOUND)
+        raise OpsError(
+            f"-n {namespace!r} is not a valid namespace: lowercase letters, digits and '-', at most 63", EXIT_NOT_FOUND
+        )
 
 
 class Session:
@@ -124,8 +157,15 @@ class Session:
 
     def rayjobs(self, experiment: str) -> list[dict]:
         """The experiment's RayJobs, oldest first."""
-        result = self.call("list rayjobs.ray.io", self.custom.list_namespaced_custom_object, kube.GROUP, kube.VERSION,
-                           self.namespace, kube.PLURAL, label_selector=f"{kube.EXPERIMENT_LABEL}={experiment}")
+        result = self.call(
+            "list rayjobs.ray.io",
+            self.custom.list_namespaced_custom_object,
+            kube.GROUP,
+            kube.VERSION,
+            self.namespace,
+            kube.PLURAL,
+            label_selector=f"{kube.EXPERIMENT_LABEL}={experiment}",
+        )
         items = result.get("items") or []
         return sorted(items, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["name"]))
 
@@ -133,8 +173,9 @@ class Session:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self.custom.get_namespaced_custom_object(kube.GROUP, kube.VERSION, self.namespace, kube.PLURAL, name,
-                                                            _request_timeout=TIMEOUT)
+            return self.custom.get_namespaced_custom_object(
+                kube.GROUP, kube.VERSION, self.namespace, kube.PLURAL, name, _request_timeout=TIMEOUT
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -143,8 +184,11 @@ class Session:
             raise OpsError(kube.describe(exc, "get rayjobs.ray.io", self.namespace, self.host), EXIT_API) from None
 
     def not_found(self, experiment: str) -> OpsError:
-        return OpsError(f"no RayJob labelled {kube.EXPERIMENT_LABEL}={experiment} in namespace {self.namespace}; check "
-                        f"the name and -n (kubectl get rayjobs -A -l {kube.EXPERIMENT_LABEL}={experiment})", EXIT_NOT_FOUND)
+        return OpsError(
+            f"no RayJob labelled {kube.EXPERIMENT_LABEL}={experiment} in namespace {self.namespace}; check "
+            f"the name and -n (kubectl get rayjobs -A -l {kube.EXPERIMENT_LABEL}={experiment})",
+            EXIT_NOT_FOUND,
+        )
 
 
 # State.
@@ -170,13 +214,22 @@ def exit_code(state: str) -> int:
 def summary(job: dict) -> dict[str, Any]:
     meta, st, spec = job["metadata"], job.get("status") or {}, job.get("spec") or {}
     return {
-        "name": meta["name"], "namespace": meta.get("namespace"), "uid": meta.get("uid"),
-        "created": meta.get("creationTimestamp"), "state": state_of(job),
-        "jobStatus": st.get("jobStatus"), "jobDeploymentStatus": st.get("jobDeploymentStatus"),
-        "rayClusterName": st.get("rayClusterName"), "jobId": st.get("jobId"),
-        "succeeded": st.get("succeeded"), "failed": st.get("failed"), "backoffLimit": spec.get("backoffLimit"),
-        "startTime": st.get("startTime"), "endTime": st.get("endTime"),
-        "reason": st.get("reason"), "message": st.get("message"),
+        "name": meta["name"],
+        "namespace": meta.get("namespace"),
+        "uid": meta.get("uid"),
+        "created": meta.get("creationTimestamp"),
+        "state": state_of(job),
+        "jobStatus": st.get("jobStatus"),
+        "jobDeploymentStatus": st.get("jobDeploymentStatus"),
+        "rayClusterName": st.get("rayClusterName"),
+        "jobId": st.get("jobId"),
+        "succeeded": st.get("succeeded"),
+        "failed": st.get("failed"),
+        "backoffLimit": spec.get("backoffLimit"),
+        "startTime": st.get("startTime"),
+        "endTime": st.get("endTime"),
+        "reason": st.get("reason"),
+        "message": st.get("message"),
         "progress": parse_progress((meta.get("annotations") or {}).get(kube.PROGRESS_ANNOTATION)),
     }
 
@@ -187,7 +240,11 @@ def cmd_status(args) -> int:
     jobs = [summary(j) for j in s.rayjobs(args.experiment)]
     state = jobs[-1]["state"] if jobs else "not-found"
     if args.output == "json":
-        print(json.dumps({"experiment": args.experiment, "namespace": s.namespace, "state": state, "rayjobs": jobs}, indent=2))
+        print(
+            json.dumps(
+                {"experiment": args.experiment, "namespace": s.namespace, "state": state, "rayjobs": jobs}, indent=2
+            )
+        )
     if not jobs:
         raise s.not_found(args.experiment)
     if args.output == "table":
@@ -196,17 +253,41 @@ def cmd_status(args) -> int:
 
 
 def render_table(experiment: str, namespace: str, jobs: list[dict]) -> str:
-    header = ("RAYJOB", "STATE", "JOB STATUS", "DEPLOYMENT", "CLUSTER", "SUCCEEDED", "FAILED", "BACKOFF LIMIT",
-              "STARTED", "ENDED")
-    rows = [header] + [(j["name"], j["state"], j["jobStatus"] or "-", j["jobDeploymentStatus"] or "-",
-                        j["rayClusterName"] or "-", _num(j["succeeded"]), _num(j["failed"]), _num(j["backoffLimit"]),
-                        j["startTime"] or "-", j["endTime"] or "-") for j in jobs]
+    header = (
+        "RAYJOB",
+        "STATE",
+        "JOB STATUS",
+        "DEPLOYMENT",
+        "CLUSTER",
+        "SUCCEEDED",
+        "FAILED",
+        "BACKOFF LIMIT",
+        "STARTED",
+        "ENDED",
+    )
+    rows = [header] + [
+        (
+            j["name"],
+            j["state"],
+            j["jobStatus"] or "-",
+            j["jobDeploymentStatus"] or "-",
+            j["rayClusterName"] or "-",
+            _num(j["succeeded"]),
+            _num(j["failed"]),
+            _num(j["backoffLimit"]),
+            j["startTime"] or "-",
+            j["endTime"] or "-",
+        )
+        for j in jobs
+    ]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
     lines = [f"experiment {experiment} in namespace {namespace}: {jobs[-1]['state']}", ""]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for j in jobs:
         if j["message"] or j["reason"]:
-            lines.append(f"{j['name']}: {j['reason'] or ''}{': ' if j['reason'] and j['message'] else ''}{j['message'] or ''}")
+            lines.append(
+                f"{j['name']}: {j['reason'] or ''}{': ' if j['reason'] and j['message'] else ''}{j['message'] or ''}"
+            )
     for j in jobs:
         lines += [""] + render_progress(j["name"], j["progress"])
     return "\n".join(lines)
@@ -229,7 +310,9 @@ def render_progress(name: str, p: dict | None) -> list[str]:
     if p.get("loss") is not None or p.get("eval_loss") is not None:
         lines.append(f"  loss         {_fmt(p.get('loss'))}   eval loss {_fmt(p.get('eval_loss'))}")
     if p.get("tokens_per_s_per_gpu") is not None:
-        lines.append(f"  throughput   {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, world size {_num(p.get('world_size'))}")
+        lines.append(
+            f"  throughput   {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, world size {_num(p.get('world_size'))}"
+        )
     if p.get("eta_s") is not None:
         lines.append(f"  eta          {duration(p['eta_s'])}")
     if p.get("last_checkpoint"):
@@ -265,13 +348,20 @@ def cmd_logs(args) -> int:
     # Following may stay quiet for long stretches: bound only the connect time then.
     timeout = (kube.CONNECT_TIMEOUT_S, 7 * 24 * 3600.0) if args.follow else TIMEOUT
     try:
-        resp = s.call("get pods/log", s.core.read_namespaced_pod_log, pod, s.namespace, _request_timeout=timeout, **kwargs)
+        resp = s.call(
+            "get pods/log", s.core.read_namespaced_pod_log, pod, s.namespace, _request_timeout=timeout, **kwargs
+        )
     except OpsError as exc:
         if "(400:" in str(exc):  # the container has not started (or is gone): say which pod to look at
-            raise OpsError(f"{exc}; the pod is not ready for logs yet, try again shortly or run "
-                           f"`kubectl describe pod {pod} -n {s.namespace}`", exc.code) from None
+            raise OpsError(
+                f"{exc}; the pod is not ready for logs yet, try again shortly or run "
+                f"`kubectl describe pod {pod} -n {s.namespace}`",
+                exc.code,
+            ) from None
         raise
-    print(f"# {what}: pod {pod}, container {container} (RayJob {s.namespace}/{job['metadata']['name']})", file=sys.stderr)
+    print(
+        f"# {what}: pod {pod}, container {container} (RayJob {s.namespace}/{job['metadata']['name']})", file=sys.stderr
+    )
     out = logs.StreamView(sys.stdout.buffer, show_all=args.verbose)
     try:
         for chunk in resp.stream(8192, decode_content=True):
@@ -282,8 +372,9 @@ def cmd_logs(args) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # noqa: BLE001 - the stream broke: say so in one line
-        raise OpsError(f"log stream of pod {pod} ended early: {kube.describe(exc, 'get pods/log', s.namespace, s.host)}",
-                       EXIT_API) from None
+        raise OpsError(
+            f"log stream of pod {pod} ended early: {kube.describe(exc, 'get pods/log', s.namespace, s.host)}", EXIT_API
+        ) from None
     finally:
         resp.release_conn()
     return EXIT_OK
@@ -299,16 +390,26 @@ def log_source(s: Session, job: dict, head: bool) -> tuple[str, str, str]:
             pods = _pods(s, selector)
             if pods:
                 pod = pods[-1]
-                return pod["metadata"]["name"], pod["spec"]["containers"][0]["name"], "submitter (training driver output)"
+                return (
+                    pod["metadata"]["name"],
+                    pod["spec"]["containers"][0]["name"],
+                    "submitter (training driver output)",
+                )
     cluster = st.get("rayClusterName")
     if not cluster:
-        raise OpsError(f"RayJob {s.namespace}/{name} has no submitter pod and no RayCluster yet (deployment status "
-                       f"{st.get('jobDeploymentStatus') or 'New'}); try again shortly, or check `kubectl describe rayjob "
-                       f"{name} -n {s.namespace}`", EXIT_NOT_FOUND)
+        raise OpsError(
+            f"RayJob {s.namespace}/{name} has no submitter pod and no RayCluster yet (deployment status "
+            f"{st.get('jobDeploymentStatus') or 'New'}); try again shortly, or check `kubectl describe rayjob "
+            f"{name} -n {s.namespace}`",
+            EXIT_NOT_FOUND,
+        )
     pods = _pods(s, f"ray.io/cluster={cluster},ray.io/node-type=head")
     if not pods:
-        raise OpsError(f"no head pod of RayCluster {cluster} in namespace {s.namespace}; check `kubectl get pods -n "
-                       f"{s.namespace} -l ray.io/cluster={cluster}`", EXIT_NOT_FOUND)
+        raise OpsError(
+            f"no head pod of RayCluster {cluster} in namespace {s.namespace}; check `kubectl get pods -n "
+            f"{s.namespace} -l ray.io/cluster={cluster}`",
+            EXIT_NOT_FOUND,
+        )
     pod = pods[-1]
     containers = [c["name"] for c in pod["spec"]["containers"]]
     if not head and mode == "SidecarMode" and SUBMITTER_CONTAINER in containers:
@@ -324,8 +425,17 @@ def _pods(s: Session, selector: str) -> list[dict]:
 
 
 # resume
-SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp",
-                 "deletionGracePeriodSeconds", "managedFields", "selfLink", "finalizers")
+SERVER_FIELDS = (
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "managedFields",
+    "selfLink",
+    "finalizers",
+)
 
 
 def recreate_body(job: dict) -> dict:
@@ -339,8 +449,12 @@ def recreate_body(job: dict) -> dict:
         meta["annotations"] = annotations
     else:
         meta.pop("annotations", None)
-    return {"apiVersion": job.get("apiVersion") or f"{kube.GROUP}/{kube.VERSION}", "kind": job.get("kind") or kube.KIND,
-            "metadata": meta, "spec": copy.deepcopy(job.get("spec") or {})}
+    return {
+        "apiVersion": job.get("apiVersion") or f"{kube.GROUP}/{kube.VERSION}",
+        "kind": job.get("kind") or kube.KIND,
+        "metadata": meta,
+        "spec": copy.deepcopy(job.get("spec") or {}),
+    }
 
 
 def cmd_resume(args) -> int:
@@ -352,21 +466,31 @@ def cmd_resume(args) -> int:
         raise s.not_found(args.experiment)
     if len(jobs) > 1:
         names = ", ".join(j["metadata"]["name"] for j in jobs)
-        raise OpsError(f"{len(jobs)} RayJobs carry {kube.EXPERIMENT_LABEL}={args.experiment} in namespace {s.namespace} "
-                       f"({names}); two runs of one experiment must not run at once: delete all but one, then resume",
-                       EXIT_FAILED)
+        raise OpsError(
+            f"{len(jobs)} RayJobs carry {kube.EXPERIMENT_LABEL}={args.experiment} in namespace {s.namespace} "
+            f"({names}); two runs of one experiment must not run at once: delete all but one, then resume",
+            EXIT_FAILED,
+        )
     job = jobs[0]
     info = summary(job)
     name, state = info["name"], info["state"]
     where = f"RayJob {s.namespace}/{name}"
     if state in ACTIVE and not args.force:
-        raise OpsError(f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}); "
-                       "resuming would stop it. Wait for it to finish, or pass --force if it is stuck", EXIT_FAILED)
+        raise OpsError(
+            f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}); "
+            "resuming would stop it. Wait for it to finish, or pass --force if it is stuck",
+            EXIT_FAILED,
+        )
     progress = info["progress"] or {}
-    checkpoint = (f"last published checkpoint {progress['last_checkpoint']} (step {progress.get('last_checkpoint_step')})"
-                  if progress.get("last_checkpoint") else "no checkpoint published on it")
-    print(f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}, "
-          f"{info['failed'] or 0} failed attempts); {checkpoint}")
+    checkpoint = (
+        f"last published checkpoint {progress['last_checkpoint']} (step {progress.get('last_checkpoint_step')})"
+        if progress.get("last_checkpoint")
+        else "no checkpoint published on it"
+    )
+    print(
+        f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}, "
+        f"{info['failed'] or 0} failed attempts); {checkpoint}"
+    )
 
     body = recreate_body(job)
     saved = Path(tempfile.gettempdir()) / f"finetune-resume-{s.namespace}-{name}-{job['metadata']['uid'][:8]}.json"
@@ -375,10 +499,20 @@ def cmd_resume(args) -> int:
 
     if state != "deleting":
         meta = job["metadata"]
-        options = client.V1DeleteOptions(propagation_policy="Foreground",
-                                          preconditions=client.V1Preconditions(uid=meta["uid"], resource_version=meta["resourceVersion"]))
-        s.call("delete rayjobs.ray.io", s.custom.delete_namespaced_custom_object, kube.GROUP, kube.VERSION,
-               s.namespace, kube.PLURAL, name, body=options)
+        options = client.V1DeleteOptions(
+            propagation_policy="Foreground",
+            preconditions=client.V1Preconditions(uid=meta["uid"], resource_version=meta["resourceVersion"]),
+        )
+        s.call(
+            "delete rayjobs.ray.io",
+            s.custom.delete_namespaced_custom_object,
+            kube.GROUP,
+            kube.VERSION,
+            s.namespace,
+            kube.PLURAL,
+            name,
+            body=options,
+        )
         print(f"deleting {where} and, first, its RayCluster (the checkpoint volume is not touched)...", flush=True)
     else:
         print(f"{where} is already being deleted; waiting for it to go...", flush=True)
@@ -388,23 +522,44 @@ def cmd_resume(args) -> int:
         if live is None:
             break
         if live["metadata"]["uid"] != job["metadata"]["uid"]:
-            raise OpsError(f"{where} was created again by someone else meanwhile (uid {live['metadata']['uid']}); "
-                           "nothing more to do", EXIT_FAILED)
+            raise OpsError(
+                f"{where} was created again by someone else meanwhile (uid {live['metadata']['uid']}); "
+                "nothing more to do",
+                EXIT_FAILED,
+            )
         if time.monotonic() - t0 > args.wait:
             finalizers = ", ".join(live["metadata"].get("finalizers") or []) or "none"
-            raise OpsError(f"{where} is still being deleted after {args.wait:g}s (finalizers: {finalizers}); check that "
-                           f"the KubeRay operator runs, then create it with `kubectl create -f {saved}`", EXIT_FAILED)
+            raise OpsError(
+                f"{where} is still being deleted after {args.wait:g}s (finalizers: {finalizers}); check that "
+                f"the KubeRay operator runs, then create it with `kubectl create -f {saved}`",
+                EXIT_FAILED,
+            )
         time.sleep(0.5)
     print(f"deleted after {time.monotonic() - t0:.1f}s")
     try:
-        created = s.call("create rayjobs.ray.io", s.custom.create_namespaced_custom_object, kube.GROUP, kube.VERSION,
-                         s.namespace, kube.PLURAL, body, field_manager="finetune")
+        created = s.call(
+            "create rayjobs.ray.io",
+            s.custom.create_namespaced_custom_object,
+            kube.GROUP,
+            kube.VERSION,
+            s.namespace,
+            kube.PLURAL,
+            body,
+            field_manager="finetune",
+        )
     except OpsError as exc:
-        raise OpsError(f"deleted {where} but could not create it again: {exc}; create it with `kubectl create -f {saved}`",
-                       EXIT_FAILED) from None
-    print(f"created {where} again (uid {created['metadata']['uid']}) with the same spec: it resumes experiment "
-          f"{args.experiment} from its last complete checkpoint")
+        raise OpsError(
+            f"deleted {where} but could not create it again: {exc}; create it with `kubectl create -f {saved}`",
+            EXIT_FAILED,
+        ) from None
+    print(
+        f"created {where} again (uid {created['metadata']['uid']}) with the same spec: it resumes experiment "
+        f"{args.experiment} from its last complete checkpoint"
+    )
     if (body["spec"] or {}).get("suspend"):
         print("note: its spec has suspend: true, so it waits until that is set to false")
-    print(f"follow it: finetune status {args.experiment} -n {s.namespace}; finetune logs {args.experiment} -n {s.namespace} -f")
+    print(
+        f"follow it: finetune status {args.experiment} -n {s.namespace}; finetune logs {args.experiment} -n "
+        f"{s.namespace} -f"
+    )
     return EXIT_OK

@@ -113,8 +113,10 @@ def _route_worker_sigterm() -> None:
         training = _loop_thread is not None and _loop_thread.is_alive()
         if "SIGTERM" in message and training and not _requested.is_set():
             _requested.set()
-            log.warning("SIGTERM: this rank finishes the step in flight, then the run saves a checkpoint and stops "
-                        "(a second SIGTERM stops this rank at once)")
+            log.warning(
+                "SIGTERM: this rank finishes the step in flight, then the run saves a checkpoint and stops "
+                "(a second SIGTERM stops this rank at once)"
+            )
             return None
         return original(message, exit_code)
 
@@ -141,8 +143,10 @@ def on_driver_sigterm(run_dir: Path, token: str) -> None:
     def handler(signum, frame):
         if not notice_for(run_dir, token):
             write_notice(run_dir, token, f"SIGTERM to the driver (pid {os.getpid()} on {socket.gethostname()})")
-            log.warning("SIGTERM: every rank finishes the step in flight, then the run saves a checkpoint and stops "
-                        "(a second SIGTERM stops at once)")
+            log.warning(
+                "SIGTERM: every rank finishes the step in flight, then the run saves a checkpoint and stops "
+                "(a second SIGTERM stops at once)"
+            )
             return
         if callable(previous):
             previous(signum, frame)
@@ -161,11 +165,15 @@ def grace_note(save_s: float) -> tuple[bool, str] | None:
         return None
     # The step in flight must end too, and the hook needs a moment: half the grace period for the write.
     if save_s <= grace / 2:
-        return True, (f"the first checkpoint took {seconds(save_s)} to write: it fits in the pods' {grace:.0f} s grace "
-                      "period, so a preempted run saves its last step")
-    return False, (f"the first checkpoint took {seconds(save_s)} to write, more than half the pods' {grace:.0f} s grace "
-                   "period: a preempted run may be killed before its checkpoint is complete (it then resumes from "
-                   f"the last periodic one). Set preemption.gracePeriodSeconds to at least {4 * save_s:.0f}")
+        return True, (
+            f"the first checkpoint took {seconds(save_s)} to write: it fits in the pods' {grace:.0f} s grace "
+            "period, so a preempted run saves its last step"
+        )
+    return False, (
+        f"the first checkpoint took {seconds(save_s)} to write, more than half the pods' {grace:.0f} s grace "
+        "period: a preempted run may be killed before its checkpoint is complete (it then resumes from "
+        f"the last periodic one). Set preemption.gracePeriodSeconds to at least {4 * save_s:.0f}"
+    )
 
 
 def seconds(s: float) -> str:
@@ -173,8 +181,9 @@ def seconds(s: float) -> str:
     return f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
 
 
-def wait_for_release(run_dir: Path, token: str | None, timeout_s: float, poll_s: float = 1.0,
-                     gone_every_s: float = 10.0) -> str | None:
+def wait_for_release(
+    run_dir: Path, token: str | None, timeout_s: float, poll_s: float = 1.0, gone_every_s: float = 10.0
+) -> str | None:
     """Until the run holding `token` has let go of the experiment's lease (it saved and stopped): "released"; or
     until it is certainly dead without letting go (the lease's own rule: no heartbeat within its timeout, or its
     process or RayJob gone, looked at every `gone_every_s`): why. None when it still holds the lease after

@@ -24,9 +24,25 @@ from app import kube
 log = logging.getLogger("finetune")
 
 ANNOTATION = kube.PROGRESS_ANNOTATION
-ENV_NAME, ENV_NAMESPACE, ENV_INTERVAL = "FINETUNE_RAYJOB_NAME", "FINETUNE_RAYJOB_NAMESPACE", "FINETUNE_PROGRESS_INTERVAL_S"
-FIELDS = ("step", "total_steps", "epoch", "loss", "eval_loss", "tokens_per_s_per_gpu", "eta_s", "last_checkpoint",
-          "last_checkpoint_step", "world_size", "resumed_from", "updated_at")
+ENV_NAME, ENV_NAMESPACE, ENV_INTERVAL = (
+    "FINETUNE_RAYJOB_NAME",
+    "FINETUNE_RAYJOB_NAMESPACE",
+    "FINETUNE_PROGRESS_INTERVAL_S",
+)
+FIELDS = (
+    "step",
+    "total_steps",
+    "epoch",
+    "loss",
+    "eval_loss",
+    "tokens_per_s_per_gpu",
+    "eta_s",
+    "last_checkpoint",
+    "last_checkpoint_step",
+    "world_size",
+    "resumed_from",
+    "updated_at",
+)
 CALL_TIMEOUT_S = (3.0, 5.0)  # connect, read: the most one PATCH can take
 
 
@@ -125,8 +141,10 @@ class ProgressPublisher:
                 self._dirty = True  # try again at the next interval
             if not self._warned:
                 self._warned = True
-                log.warning(f"progress: {kube.describe(exc, 'patch rayjobs.ray.io', self.namespace)}; training goes on, "
-                            f"progress stays in the logs (retrying quietly every {self.interval_s:g}s)")
+                log.warning(
+                    f"progress: {kube.describe(exc, 'patch rayjobs.ray.io', self.namespace)}; training goes on, "
+                    f"progress stays in the logs (retrying quietly every {self.interval_s:g}s)"
+                )
 
     def _patch(self, record: dict[str, Any]) -> None:
         from kubernetes import client
@@ -135,8 +153,9 @@ class ProgressPublisher:
             self._api = client.CustomObjectsApi(self._connect())
         value = json.dumps(record, separators=(",", ":"), sort_keys=True)
         body = {"metadata": {"annotations": {ANNOTATION: value}}}  # a JSON merge patch: touches only this key
-        self._api.patch_namespaced_custom_object(kube.GROUP, kube.VERSION, self.namespace, kube.PLURAL, self.name,
-                                                 body, _request_timeout=CALL_TIMEOUT_S)
+        self._api.patch_namespaced_custom_object(
+            kube.GROUP, kube.VERSION, self.namespace, kube.PLURAL, self.name, body, _request_timeout=CALL_TIMEOUT_S
+        )
 
 
 def duration(seconds: float) -> str:

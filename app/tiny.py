@@ -49,19 +49,27 @@ def read_texts(path: Path) -> list[str]:
     try:
         texts = [json.loads(line)["text"] for line in Path(path).read_text().splitlines() if line.strip()]
     except (KeyError, TypeError, ValueError):
-        raise ValueError("is not JSON lines with a \"text\" field in every row") from None
+        raise ValueError('is not JSON lines with a "text" field in every row') from None
     if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError("has no row, or a \"text\" that is not a string")
+        raise ValueError('has no row, or a "text" that is not a string')
     return texts
 
 
-def build_tiny_model(out: Path, texts: list[str] | None = None, vocab_size: int = 512, n_positions: int = 256,
-                     n_embd: int = 64, n_layer: int = 2, n_head: int = 2, seed: int = 0) -> Path:
+def build_tiny_model(
+    out: Path,
+    texts: list[str] | None = None,
+    vocab_size: int = 512,
+    n_positions: int = 256,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 2,
+    seed: int = 0,
+) -> Path:
     """Write a from_pretrained folder (config, random weights, a tokenizer trained on `texts`, by default the
     generated corpus); idempotent."""
+    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-    import torch
 
     out = Path(out)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
@@ -71,7 +79,9 @@ def build_tiny_model(out: Path, texts: list[str] | None = None, vocab_size: int 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,  # its progress bars print only blank lines when stderr is not a terminal
     )
     tok.train_from_iterator(texts, trainer)
@@ -79,8 +89,13 @@ def build_tiny_model(out: Path, texts: list[str] | None = None, vocab_size: int 
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
     )
     config = GPT2Config(
-        vocab_size=len(hf_tok), n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-        bos_token_id=hf_tok.eos_token_id, eos_token_id=hf_tok.eos_token_id,
+        vocab_size=len(hf_tok),
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        bos_token_id=hf_tok.eos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
     )
     torch.manual_seed(seed)
     tmp = out.with_name(out.name + ".tmp")

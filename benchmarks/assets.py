@@ -35,15 +35,34 @@ class Shape:
         if self.kind == "gpt2":
             from transformers import GPT2Config
 
-            return GPT2Config(vocab_size=self.vocab, n_positions=self.context, n_embd=self.hidden,
-                              n_layer=self.layers, n_head=self.heads, bos_token_id=0, eos_token_id=0, dtype="bfloat16")
+            return GPT2Config(
+                vocab_size=self.vocab,
+                n_positions=self.context,
+                n_embd=self.hidden,
+                n_layer=self.layers,
+                n_head=self.heads,
+                bos_token_id=0,
+                eos_token_id=0,
+                dtype="bfloat16",
+            )
         from transformers import LlamaConfig
 
-        return LlamaConfig(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
-                           num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                           num_key_value_heads=self.kv_heads or self.heads, max_position_embeddings=self.context,
-                           rms_norm_eps=1e-5, rope_theta=self.rope_theta, tie_word_embeddings=False,
-                           bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="bfloat16")
+        return LlamaConfig(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads or self.heads,
+            max_position_embeddings=self.context,
+            rms_norm_eps=1e-5,
+            rope_theta=self.rope_theta,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            dtype="bfloat16",
+        )
 
 
 SHAPES = {
@@ -54,8 +73,9 @@ SHAPES = {
         # TinyLlama 1.1B dimensions.
         Shape("llama-1.1b", "llama", 32000, 2048, 22, 32, kv_heads=4, intermediate=5632, context=2048),
         # Llama-3-8B dimensions.
-        Shape("llama-8b", "llama", 128256, 4096, 32, 32, kv_heads=8, intermediate=14336, context=8192,
-              rope_theta=500000.0),
+        Shape(
+            "llama-8b", "llama", 128256, 4096, 32, 32, kv_heads=8, intermediate=14336, context=8192, rope_theta=500000.0
+        ),
         # Tiny shapes for the CPU smoke suite.
         Shape("tiny-gpt2", "gpt2", 1000, 64, 2, 2, context=512),
         Shape("tiny-llama", "llama", 1000, 64, 2, 4, kv_heads=2, intermediate=172, context=512),
@@ -98,8 +118,9 @@ def model_folder(root: Path, shape: Shape) -> Path:
     vocab = {EOS: 0, **{f"t{i}": i for i in range(1, shape.vocab)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS,
-                            pad_token=EOS).save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS
+    ).save_pretrained(out)
     shape.hf_config().save_pretrained(out)
     return out
 
@@ -119,7 +140,7 @@ def corpus(root: Path, lengths: Lengths, vocab: int, tokens: int, seed: int = 0)
     with tmp.open("w") as f:
         pos = 0
         for n in lens:
-            f.write(json.dumps({"text": " ".join(words[pos:pos + n])}) + "\n")
+            f.write(json.dumps({"text": " ".join(words[pos : pos + n])}) + "\n")
             pos += n
     tmp.rename(out)
     return out

@@ -36,9 +36,11 @@ from benchmarks import assets
 from benchmarks.make_weights import weights_folder
 from benchmarks.runner import REPO, Case, bench_env, run_app, run_hf
 
-MFU_FORMULA = ("MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden x seq_length) / peak; "
-               "peak = 989 TFLOP/s dense bf16 (H100/H200 SXM datasheet). Parameters include embeddings; "
-               "recomputation (activation checkpointing) is not counted as useful work.")
+MFU_FORMULA = (
+    "MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden x seq_length) / peak; "
+    "peak = 989 TFLOP/s dense bf16 (H100/H200 SXM datasheet). Parameters include embeddings; "
+    "recomputation (activation checkpointing) is not counted as useful work."
+)
 
 
 # ---- suites ----------------------------------------------------------------------------------------------
@@ -47,38 +49,80 @@ MFU_FORMULA = ("MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden
 # The tutorial's ZeRO-3 section for GPT-2 (hidden h = 768): its "auto" values as Hugging Face fills them (reduce
 # bucket h^2, prefetch 0.9 h^2, persistence 10 h), and hooks on every module. Set explicitly: the app's own
 # "auto" rules (whole layers, larger buckets) are what the app adds, so the baseline must not get them.
-TUTORIAL_ZERO3 = {"deepspeed.zero_optimization.stage": 3, "deepspeed.zero_optimization.leaf_module": {"classes": []},
-                  "deepspeed.zero_optimization.reduce_bucket_size": 768 * 768,
-                  "deepspeed.zero_optimization.stage3_prefetch_bucket_size": int(0.9 * 768 * 768),
-                  "deepspeed.zero_optimization.stage3_param_persistence_threshold": 10 * 768}
+TUTORIAL_ZERO3 = {
+    "deepspeed.zero_optimization.stage": 3,
+    "deepspeed.zero_optimization.leaf_module": {"classes": []},
+    "deepspeed.zero_optimization.reduce_bucket_size": 768 * 768,
+    "deepspeed.zero_optimization.stage3_prefetch_bucket_size": int(0.9 * 768 * 768),
+    "deepspeed.zero_optimization.stage3_param_persistence_threshold": 10 * 768,
+}
 
 
 def tutorial(name: str = "tutorial", **kw) -> Case:
     """The tutorial's configuration: GPT-2, micro-batch 1, short texts padded to 512, ZeRO-3, its ds_config."""
-    return Case(name, "gpt2-124m", {"data.packing": False, "data.seq_length": 512, "train.micro_batch_size": 1,
-                                    **TUTORIAL_ZERO3},
-                lengths="news", corpus_tokens=2_000_000, warmup=3, steps=12, estimate=40, **kw)
+    return Case(
+        name,
+        "gpt2-124m",
+        {"data.packing": False, "data.seq_length": 512, "train.micro_batch_size": 1, **TUTORIAL_ZERO3},
+        lengths="news",
+        corpus_tokens=2_000_000,
+        warmup=3,
+        steps=12,
+        estimate=40,
+        **kw,
+    )
 
 
 def gpt2(name: str, mb: int, stage: int, **kw) -> Case:
     """The tutorial's workload (the same short texts), packed into 1024-token blocks."""
-    return Case(name, "gpt2-124m", {"data.packing": True, "data.seq_length": 1024, "train.micro_batch_size": mb,
-                                    "deepspeed.zero_optimization.stage": stage, **kw.pop("sets", {})},
-                lengths="news", corpus_tokens=2_000_000, warmup=4, steps=15, estimate=40, **kw)
+    return Case(
+        name,
+        "gpt2-124m",
+        {
+            "data.packing": True,
+            "data.seq_length": 1024,
+            "train.micro_batch_size": mb,
+            "deepspeed.zero_optimization.stage": stage,
+            **kw.pop("sets", {}),
+        },
+        lengths="news",
+        corpus_tokens=2_000_000,
+        warmup=4,
+        steps=15,
+        estimate=40,
+        **kw,
+    )
 
 
-def llama(name: str, shape: str, mb: int, stage: int, liger: bool, zero: dict | None = None,
-          ckpt: bool = False, seq: int = 2048, **kw) -> Case:
-    sets = {"data.seq_length": seq, "train.micro_batch_size": mb, "deepspeed.zero_optimization.stage": stage,
-            "model.liger_kernels": liger, "model.gradient_checkpointing": ckpt}
+def llama(
+    name: str,
+    shape: str,
+    mb: int,
+    stage: int,
+    liger: bool,
+    zero: dict | None = None,
+    ckpt: bool = False,
+    seq: int = 2048,
+    **kw,
+) -> Case:
+    sets = {
+        "data.seq_length": seq,
+        "train.micro_batch_size": mb,
+        "deepspeed.zero_optimization.stage": stage,
+        "model.liger_kernels": liger,
+        "model.gradient_checkpointing": ckpt,
+    }
     sets.update({f"deepspeed.zero_optimization.{k}": v for k, v in (zero or {}).items()})
     sets.update(kw.pop("sets", {}))
     tokens = 2_500_000 if shape == "llama-1.1b" else 600_000
     return Case(name, shape, sets, corpus_tokens=tokens, **kw)
 
 
-DS_DEFAULT_BUCKETS = {"reduce_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-                      "stage3_param_persistence_threshold": 100_000}
+DS_DEFAULT_BUCKETS = {
+    "reduce_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
 
 
 def suite_explore() -> list[Case]:
@@ -109,8 +153,19 @@ def suite_gpu() -> list[Case]:
         llama("l1b-z3-mb16-liger", "llama-1.1b", 16, 3, True, checkpoint=True, estimate=200, timeout=360),
         llama("hf-l1b-z3-mb16", "llama-1.1b", 16, 3, False, runner="hf", estimate=75),
         llama("l8b-z3-mb4-liger", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=130, timeout=300),
-        llama("l8b-z3-mb8-liger-ckpt", "llama-8b", 8, 3, True, ckpt=True, warmup=2, steps=4, estimate=130,
-              timeout=300, fallback_for="l8b-z3-mb4-liger"),
+        llama(
+            "l8b-z3-mb8-liger-ckpt",
+            "llama-8b",
+            8,
+            3,
+            True,
+            ckpt=True,
+            warmup=2,
+            steps=4,
+            estimate=130,
+            timeout=300,
+            fallback_for="l8b-z3-mb4-liger",
+        ),
         llama("l1b-z3-mb32-liger", "llama-1.1b", 32, 3, True, estimate=90),
         offload_8b(),
     ]
@@ -118,12 +173,25 @@ def suite_gpu() -> list[Case]:
 
 def offload_8b() -> Case:
     """Llama-3-8B on one GPU: ZeRO-3 with the optimizer (fp32 master weights and Adam moments) in CPU memory."""
-    return llama("l8b-offload-1gpu", "llama-8b", 4, 3, True, ckpt=True, warmup=1, steps=2, estimate=300,
-                 timeout=480, sets={"scaling.num_workers": 1, "scaling.cpus_per_worker": 30,
-                                    # as examples/llama-8b-1gpu-offload.yaml: the CPU update once per 8 micro-batches
-                                    "train.gradient_accumulation_steps": 8,
-                                    "deepspeed.zero_optimization.offload_optimizer": {"device": "cpu",
-                                                                                      "pin_memory": True}})
+    return llama(
+        "l8b-offload-1gpu",
+        "llama-8b",
+        4,
+        3,
+        True,
+        ckpt=True,
+        warmup=1,
+        steps=2,
+        estimate=300,
+        timeout=480,
+        sets={
+            "scaling.num_workers": 1,
+            "scaling.cpus_per_worker": 30,
+            # as examples/llama-8b-1gpu-offload.yaml: the CPU update once per 8 micro-batches
+            "train.gradient_accumulation_steps": 8,
+            "deepspeed.zero_optimization.offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+    )
 
 
 LEAF_LAYERS = {"leaf_module": {"classes": ["LlamaDecoderLayer"]}}  # ZeRO-3 hooks per decoder layer only
@@ -185,8 +253,10 @@ def suite_confirm() -> list[Case]:
 
 ACROSS = {"data.separate_documents": False}  # the earlier packing: documents attend across EOS in a block
 FEWER_SYNCS = {"train.log_every_steps": 4, "train.max_steps": 40}  # the loop's host syncs once per 4 steps
-BIG_BUCKETS = {"reduce_bucket_size": 200_000_000,
-               "stage3_prefetch_bucket_size": 100_000_000}  # about two layers fetched ahead; fewer, larger reductions
+BIG_BUCKETS = {
+    "reduce_bucket_size": 200_000_000,
+    "stage3_prefetch_bucket_size": 100_000_000,
+}  # about two layers fetched ahead; fewer, larger reductions
 
 
 def suite_peer() -> list[Case]:
@@ -201,8 +271,13 @@ def suite_peer2() -> list[Case]:
     """The 1.1B peer comparison again, in another order (cross-document packing first), with the bucket lever:
     a second sample of the same pairs, since cases of one run differ by a few percent from run order alone."""
     by_name = {c.name: c for c in _peer_1b()}
-    order = ["l1b-z3-mb16-across", "hf-liger-l1b-z3-mb16", "l1b-z3-mb16", "hf-liger-l1b-z3-mb16-across",
-             "l1b-z3-mb16-buckets"]
+    order = [
+        "l1b-z3-mb16-across",
+        "hf-liger-l1b-z3-mb16",
+        "l1b-z3-mb16",
+        "hf-liger-l1b-z3-mb16-across",
+        "l1b-z3-mb16-buckets",
+    ]
     return [by_name[name] for name in order]
 
 
@@ -252,11 +327,17 @@ def suite_start() -> list[Case]:
     return [
         llama("l1b-z3-mb16", "llama-1.1b", 16, 3, True, estimate=75),
         llama("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, 3, True, runner="hf", estimate=45),
-        llama("l8b-z3-mb4-weights", "llama-8b", 4, 3, True, warmup=2, steps=3, weights=True, estimate=260,
-              timeout=240),
+        llama("l8b-z3-mb4-weights", "llama-8b", 4, 3, True, warmup=2, steps=3, weights=True, estimate=260, timeout=240),
         llama("l1b-z3-mb16-again", "llama-1.1b", 16, 3, True, estimate=60),
-        llama("l1b-z3-mb16-noprestart", "llama-1.1b", 16, 3, True, estimate=60,
-              env={"RAY_prestart_worker_first_driver": "0"}),
+        llama(
+            "l1b-z3-mb16-noprestart",
+            "llama-1.1b",
+            16,
+            3,
+            True,
+            estimate=60,
+            env={"RAY_prestart_worker_first_driver": "0"},
+        ),
     ]
 
 
@@ -271,13 +352,16 @@ BASE_TREE = "../base"  # device_run.sh puts main's files there (`git archive mai
 def suite_start_ab() -> list[Case]:
     """The start-up change against main's code, interleaved (two samples each, same machine), plus Ray's
     worker prestart off; then the tutorial pair (item 6)."""
+
     def l1b(name: str, **kw) -> Case:
         return llama(name, "llama-1.1b", 16, 3, True, estimate=65, **kw)
 
     return [
-        l1b("l1b-z3-mb16-main", tree=BASE_TREE), l1b("l1b-z3-mb16"),
+        l1b("l1b-z3-mb16-main", tree=BASE_TREE),
+        l1b("l1b-z3-mb16"),
         *[dataclasses.replace(c, estimate=85) for c in suite_tutorial()],
-        l1b("l1b-z3-mb16-main-2", tree=BASE_TREE), l1b("l1b-z3-mb16-2"),
+        l1b("l1b-z3-mb16-main-2", tree=BASE_TREE),
+        l1b("l1b-z3-mb16-2"),
         l1b("l1b-z3-mb16-noprestart", env={"RAY_prestart_worker_first_driver": "0"}),
     ]
 
@@ -285,12 +369,14 @@ def suite_start_ab() -> list[Case]:
 def suite_start_ab2() -> list[Case]:
     """A second sample of the start-up A/B (with Ray's worker prestart off as a third arm), Trainer + Liger
     beside it, and the tutorial pair with the tutorial's own ZeRO-3 section."""
+
     def l1b(name: str, **kw) -> Case:
         return llama(name, "llama-1.1b", 16, 3, True, estimate=65, **kw)
 
     return [
         *[dataclasses.replace(c, estimate=80) for c in suite_tutorial()],
-        l1b("l1b-z3-mb16-main-3", tree=BASE_TREE), l1b("l1b-z3-mb16-3"),
+        l1b("l1b-z3-mb16-main-3", tree=BASE_TREE),
+        l1b("l1b-z3-mb16-3"),
         l1b("l1b-z3-mb16-noprestart", env={"RAY_prestart_worker_first_driver": "0"}),
         llama("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, 3, True, runner="hf", estimate=45),
     ]
@@ -303,6 +389,7 @@ FA2 = {"FINETUNE_VARLEN_KERNEL": "aten"}  # PyTorch's FlashAttention-2 varlen ke
 def suite_fa4() -> list[Case]:
     """Documents-apart attention through FlashAttention-4's Hopper kernels against FlashAttention-2's (the
     kernel Trainer + Liger runs with packed batches), 1.1B and 8B, Trainer + Liger beside each."""
+
     def hf(name: str, shape: str, mb: int, **kw) -> Case:
         return llama(name, shape, mb, 3, True, runner="hf", env=FA2, **kw)
 
@@ -323,10 +410,8 @@ def suite_fp8() -> list[Case]:
     """FP8 matmuls (`model.fp8`: torchao's float8 training, each cast compiled) against Trainer + Liger, then the
     app's bf16 matmuls where time is left; 8B then 1.1B. Same ds_config, data and batch."""
     return [
-        llama("l8b-z3-mb4-fp8", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=130, timeout=240,
-              sets=FP8),
-        llama("hf-liger-l8b-z3-mb4", "llama-8b", 4, 3, True, runner="hf", warmup=2, steps=5, estimate=60,
-              timeout=240),
+        llama("l8b-z3-mb4-fp8", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=130, timeout=240, sets=FP8),
+        llama("hf-liger-l8b-z3-mb4", "llama-8b", 4, 3, True, runner="hf", warmup=2, steps=5, estimate=60, timeout=240),
         llama("l1b-z3-mb16-fp8", "llama-1.1b", 16, 3, True, estimate=90, sets=FP8),
         llama("hf-liger-l1b-z3-mb16", "llama-1.1b", 16, 3, True, runner="hf", estimate=35),
         llama("l8b-z3-mb4", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=100, timeout=240),
@@ -340,9 +425,14 @@ def suite_ckpt() -> list[Case]:
     with its optimizer state) fills most of the disk; corpora long enough that the run keeps training while it is
     written; the harness ends the run once the save is complete. The first background save comes late enough for
     the host buffers (allocated ahead after the first step, about 1 GB/s of pinned memory per rank) to be ready."""
+
     def case(name: str, shape: str, mb: int, every: int, background: bool, tokens: int, **kw) -> Case:
-        sets = {"checkpoint.every_steps": every, "checkpoint.async_save": background, "checkpoint.keep": 3,
-                "train.max_steps": 100_000}
+        sets = {
+            "checkpoint.every_steps": every,
+            "checkpoint.async_save": background,
+            "checkpoint.keep": 3,
+            "train.max_steps": 100_000,
+        }
         return dataclasses.replace(llama(name, shape, mb, 3, True, saves=1, sets=sets, **kw), corpus_tokens=tokens)
 
     return [
@@ -355,33 +445,91 @@ def suite_ckpt() -> list[Case]:
 
 def suite_ckpt_smoke() -> list[Case]:
     """The ckpt suite's plumbing on 2 CPU workers (tiny Llama)."""
-    cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1, "data.seq_length": 128,
-           "train.micro_batch_size": 2, "checkpoint.every_steps": 3, "checkpoint.keep": 3, "train.max_steps": 100_000}
-    return [Case(f"smoke-ckpt-{mode}", "tiny-llama", {**cpu, "checkpoint.async_save": mode == "async"},
-                 corpus_tokens=200_000, saves=1, timeout=200) for mode in ("async", "sync")]
+    cpu = {
+        "scaling.use_gpu": False,
+        "scaling.cpus_per_worker": 1,
+        "data.seq_length": 128,
+        "train.micro_batch_size": 2,
+        "checkpoint.every_steps": 3,
+        "checkpoint.keep": 3,
+        "train.max_steps": 100_000,
+    }
+    return [
+        Case(
+            f"smoke-ckpt-{mode}",
+            "tiny-llama",
+            {**cpu, "checkpoint.async_save": mode == "async"},
+            corpus_tokens=200_000,
+            saves=1,
+            timeout=200,
+        )
+        for mode in ("async", "sync")
+    ]
 
 
 def suite_smoke() -> list[Case]:
     """CPU plumbing check: 2 CPU workers, tiny shapes; every runner and the checkpoint path once."""
     cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1}
     return [
-        Case("smoke-tutorial", "tiny-gpt2", {**cpu, "data.packing": False, "data.seq_length": 64,
-                                             "train.micro_batch_size": 1}, lengths="news", corpus_tokens=50_000,
-             warmup=1, steps=3),
-        Case("smoke-llama-z2", "tiny-llama", {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2,
-                                              "deepspeed.zero_optimization.stage": 2}, corpus_tokens=50_000,
-             warmup=1, steps=3),
-        Case("smoke-llama-z3-ckpt", "tiny-llama", {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2},
-             corpus_tokens=50_000, warmup=1, steps=3, checkpoint=True),
-        Case("smoke-hf-z3", "tiny-llama", {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2},
-             runner="hf", corpus_tokens=50_000, warmup=1, steps=3),
+        Case(
+            "smoke-tutorial",
+            "tiny-gpt2",
+            {**cpu, "data.packing": False, "data.seq_length": 64, "train.micro_batch_size": 1},
+            lengths="news",
+            corpus_tokens=50_000,
+            warmup=1,
+            steps=3,
+        ),
+        Case(
+            "smoke-llama-z2",
+            "tiny-llama",
+            {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2, "deepspeed.zero_optimization.stage": 2},
+            corpus_tokens=50_000,
+            warmup=1,
+            steps=3,
+        ),
+        Case(
+            "smoke-llama-z3-ckpt",
+            "tiny-llama",
+            {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2},
+            corpus_tokens=50_000,
+            warmup=1,
+            steps=3,
+            checkpoint=True,
+        ),
+        Case(
+            "smoke-hf-z3",
+            "tiny-llama",
+            {**cpu, "data.seq_length": 128, "train.micro_batch_size": 2},
+            runner="hf",
+            corpus_tokens=50_000,
+            warmup=1,
+            steps=3,
+        ),
     ]
 
 
-SUITES = {"peer": suite_peer, "peer1": suite_peer1, "peer2": suite_peer2, "explore": suite_explore, "gpu": suite_gpu, "tune": suite_tune, "final": suite_final, "prefetch": suite_prefetch, "confirm": suite_confirm, "full": suite_full, "smoke": suite_smoke,
-          "start": suite_start, "fa4": suite_fa4, "tutorial": suite_tutorial, "start-ab": suite_start_ab,
-          "start-ab2": suite_start_ab2, "ckpt": suite_ckpt, "ckpt-smoke": suite_ckpt_smoke,
-          "fp8": suite_fp8}
+SUITES = {
+    "peer": suite_peer,
+    "peer1": suite_peer1,
+    "peer2": suite_peer2,
+    "explore": suite_explore,
+    "gpu": suite_gpu,
+    "tune": suite_tune,
+    "final": suite_final,
+    "prefetch": suite_prefetch,
+    "confirm": suite_confirm,
+    "full": suite_full,
+    "smoke": suite_smoke,
+    "start": suite_start,
+    "fa4": suite_fa4,
+    "tutorial": suite_tutorial,
+    "start-ab": suite_start_ab,
+    "start-ab2": suite_start_ab2,
+    "ckpt": suite_ckpt,
+    "ckpt-smoke": suite_ckpt_smoke,
+    "fp8": suite_fp8,
+}
 
 
 # ---- configs ---------------------------------------------------------------------------------------------
@@ -406,19 +554,30 @@ def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
     if case.config:
         doc = yaml.safe_load((REPO / case.config).read_text()) or {}
     else:
-        doc = {"train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
-               "scaling": {"num_workers": 2, "use_gpu": True, "cpus_per_worker": 8},
-               "data": {"loader_workers": 2}}
+        doc = {
+            "train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
+            "scaling": {"num_workers": 2, "use_gpu": True, "cpus_per_worker": 8},
+            "data": {"loader_workers": 2},
+        }
     need = case.warmup + case.steps
     forced = {
-        "experiment.name": case.name, "experiment.storage_path": str(work / "storage"),
-        "model.name_or_path": source, "model.tokenizer": str(model),
-        "data.dataset": str(corpus), "data.split": "train", "data.eval_split": None, "data.eval_fraction": 0.0,
-        "train.epochs": 1, "train.max_steps_per_epoch": None,
+        "experiment.name": case.name,
+        "experiment.storage_path": str(work / "storage"),
+        "model.name_or_path": source,
+        "model.tokenizer": str(model),
+        "data.dataset": str(corpus),
+        "data.split": "train",
+        "data.eval_split": None,
+        "data.eval_fraction": 0.0,
+        "train.epochs": 1,
+        "train.max_steps_per_epoch": None,
         # A few spare steps: the harness ends the run after the timed ones (a checkpoint case ends by itself).
         "train.max_steps": need if case.checkpoint else need + 3,
-        "train.log_every_steps": 1, "train.eval_every_steps": None,
-        "checkpoint.every_steps": None, "checkpoint.export_final": False, "checkpoint.keep": 1,
+        "train.log_every_steps": 1,
+        "train.eval_every_steps": None,
+        "checkpoint.every_steps": None,
+        "checkpoint.export_final": False,
+        "checkpoint.keep": 1,
     }
     for key, value in {**forced, **case.sets}.items():
         set_dotted(doc, key, value)
@@ -444,8 +603,15 @@ def versions() -> dict[str, Any]:
     except Exception:  # noqa: BLE001
         pass
     if shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                           capture_output=True, text=True).stdout.strip().splitlines()
+        q = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         out["gpus"] = q
     out["cpus"] = os.cpu_count()
     out["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
@@ -500,8 +666,13 @@ def main(argv: list[str] | None = None) -> int:
             _emit(out, row, results)
             continue
         if case.weights:
-            made = subprocess.run([sys.executable, "-m", "benchmarks.make_weights", "--shape", case.shape,
-                                   "--work", str(work)], cwd=REPO, env=bench_env(), capture_output=True, text=True)
+            made = subprocess.run(
+                [sys.executable, "-m", "benchmarks.make_weights", "--shape", case.shape, "--work", str(work)],
+                cwd=REPO,
+                env=bench_env(),
+                capture_output=True,
+                text=True,
+            )
             row["weights"] = json.loads(made.stdout.splitlines()[-1]) if made.returncode == 0 else made.stderr[-800:]
         print(f"-- {case.name}: {row['command']}", flush=True)
         started = time.time()
@@ -531,18 +702,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _knobs(doc: dict[str, Any], shape: assets.Shape, cfg_path: Path, runner: str) -> dict[str, Any]:
-    from app import config as config_mod, driver
+    from app import config as config_mod
+    from app import driver
 
     cfg = config_mod.load(cfg_path)
     workers = cfg.scaling.num_workers
     ds, _ = driver.check(cfg)  # what the app hands the workers (and hf_trainer builds the same way)
     return {
-        "workers": workers, "stage": cfg.zero_stage, "micro_batch": cfg.train.micro_batch_size,
-        "grad_accum": cfg.train.gradient_accumulation_steps, "seq": cfg.data.seq_length, "packing": cfg.data.packing,
-        "liger": cfg.model.liger_kernels, "compile": cfg.model.compile, "act_ckpt": cfg.model.gradient_checkpointing,
-        "offload": bool(ds["zero_optimization"].get("offload_optimizer")), "ds_config": ds,
-        "command": (f"python -m torch.distributed.run --standalone --nproc_per_node {workers} -m benchmarks.hf_trainer "
-                    f"--config {cfg_path}") if runner == "hf" else f"python -m app.cli train {cfg_path}",
+        "workers": workers,
+        "stage": cfg.zero_stage,
+        "micro_batch": cfg.train.micro_batch_size,
+        "grad_accum": cfg.train.gradient_accumulation_steps,
+        "seq": cfg.data.seq_length,
+        "packing": cfg.data.packing,
+        "liger": cfg.model.liger_kernels,
+        "compile": cfg.model.compile,
+        "act_ckpt": cfg.model.gradient_checkpointing,
+        "offload": bool(ds["zero_optimization"].get("offload_optimizer")),
+        "ds_config": ds,
+        "command": (
+            f"python -m torch.distributed.run --standalone --nproc_per_node {workers} -m benchmarks.hf_trainer "
+            f"--config {cfg_path}"
+        )
+        if runner == "hf"
+        else f"python -m app.cli train {cfg_path}",
     }
 
 
@@ -564,15 +747,20 @@ def _line(r: dict[str, Any]) -> str:
         return f"ERROR {r['error'][:400]}"
     mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
     startup = "  start-up " + json.dumps(r["startup"]) if r.get("startup") else ""
-    return (f"step {r.get('step_s', 0):.3f}s  tok/s/GPU {r.get('tokens_per_s_per_gpu', 0):,.0f}  MFU {mfu}  "
-            f"mem {r.get('peak_mem_gib')} GiB  first step {r.get('time_to_first_step_s')}s  wall {r.get('wall_s')}s"
-            f"{startup}")
+    return (
+        f"step {r.get('step_s', 0):.3f}s  tok/s/GPU {r.get('tokens_per_s_per_gpu', 0):,.0f}  MFU {mfu}  "
+        f"mem {r.get('peak_mem_gib')} GiB  first step {r.get('time_to_first_step_s')}s  wall {r.get('wall_s')}s"
+        f"{startup}"
+    )
 
 
 def table(results: list[dict[str, Any]]) -> str:
     base = next((r.get("tokens_per_s_per_gpu") for r in results if r["case"].startswith("tutorial")), None)
-    rows = ["| case | runner | stage | mb x seq | liger | step s | real tok/s/GPU | x tutorial | MFU | peak GiB | 1st step s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| case | runner | stage | mb x seq | liger | step s | real tok/s/GPU | x tutorial | MFU | peak GiB "
+        "| 1st step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if r.get("skipped") or r.get("error"):
             rows.append(f"| {r['case']} | {r['runner']} | | | | {r.get('skipped') or 'ERROR'} | | | | | |")
@@ -580,9 +768,11 @@ def table(results: list[dict[str, Any]]) -> str:
         tps = r.get("tokens_per_s_per_gpu") or 0
         ratio = f"{tps / base:,.0f}x" if base else ""
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else ""
-        rows.append(f"| {r['case']} | {r['runner']} | {r.get('stage')} | {r.get('micro_batch')} x {r.get('seq')} | "
-                    f"{'y' if r.get('liger') else ''} | {r.get('step_s')} | {tps:,.0f} | {ratio} | {mfu} | "
-                    f"{r.get('peak_mem_gib')} | {r.get('time_to_first_step_s')} |")
+        rows.append(
+            f"| {r['case']} | {r['runner']} | {r.get('stage')} | {r.get('micro_batch')} x {r.get('seq')} | "
+            f"{'y' if r.get('liger') else ''} | {r.get('step_s')} | {tps:,.0f} | {ratio} | {mfu} | "
+            f"{r.get('peak_mem_gib')} | {r.get('time_to_first_step_s')} |"
+        )
         if r.get("checkpoint"):
             rows.append(f"|   checkpoint | {json.dumps(r['checkpoint'])} |")
         for save in r.get("saves") or []:

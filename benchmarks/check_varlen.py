@@ -32,8 +32,16 @@ def losses_match() -> dict:
     from app.model import load_model
 
     folder = tempfile.mkdtemp()
-    LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-                num_key_value_heads=2, max_position_embeddings=1024, dtype="bfloat16").save_pretrained(folder)
+    LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        dtype="bfloat16",
+    ).save_pretrained(folder)
     cfg = ModelConfig(name_or_path=f"random-init:{folder}", liger_kernels=False)
     torch.manual_seed(0)
     varlen = load_model(cfg, {}, separate_documents=True).cuda().bfloat16().eval()
@@ -49,9 +57,14 @@ def losses_match() -> dict:
     keep = batch["labels"][:, 1:] != -100
     la = F.cross_entropy(a[:, :-1][keep], batch["labels"][:, 1:][keep], reduction="none")
     lb = F.cross_entropy(b[:, :-1][keep], batch["labels"][:, 1:][keep], reduction="none")
-    return {"attn": varlen.config._attn_implementation, "tokens": int(keep.sum()),
-            "max_abs_loss_diff": float((la - lb).abs().max()), "mean_loss": [float(la.mean()), float(lb.mean())],
-            "logits_rel_err": float((a - b).norm() / b.norm()), "kernel": attention._kernel().__name__}
+    return {
+        "attn": varlen.config._attn_implementation,
+        "tokens": int(keep.sum()),
+        "max_abs_loss_diff": float((la - lb).abs().max()),
+        "mean_loss": [float(la.mean()), float(lb.mean())],
+        "logits_rel_err": float((a - b).norm() / b.norm()),
+        "kernel": attention._kernel().__name__,
+    }
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -74,8 +87,9 @@ def _cudnn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     GQA), K/V repeated to the query's heads."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False,
-                                                    scale=scale)[0]
+    return torch.ops.aten._cudnn_attention_forward(
+        q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False, scale=scale
+    )[0]
 
 
 def _cudnn_whole(q, k, v):
@@ -84,6 +98,7 @@ def _cudnn_whole(q, k, v):
 
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+
     return forward
 
 
@@ -111,6 +126,7 @@ def attention_costs() -> dict:
         def step():
             out = forward()
             out.backward(grad)
+
         return step
 
     def varlen(kernel):
@@ -118,21 +134,38 @@ def attention_costs() -> dict:
             bs, heads = b * s, q.shape[1]
             flat = [t.transpose(1, 2).reshape(bs, t.shape[1], d) for t in (q, k, v)]
             return kernel(*flat, cu, cu, batch["max_length_q"], batch["max_length_q"], d**-0.5).view(b, s, heads, d)
+
         return forward
 
     forwards = {
-        "causal_sdpa_whole_blocks": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2),
+        "causal_sdpa_whole_blocks": lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        ).transpose(1, 2),
         "varlen_aten_gqa": varlen(attention.KERNELS["aten"]),
         "varlen_attn_public": varlen(attention.KERNELS["varlen_attn"]),
         "varlen_fa4": varlen(attention.KERNELS["fa4"]),
         "varlen_cudnn_kv_repeated": varlen(_cudnn_varlen),
         "causal_cudnn_whole_blocks": _cudnn_whole(q, k, v),
-        "sdpa_block_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2),
+        "sdpa_block_mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(
+            1, 2
+        ),
     }
-    out = {"docs_in_batch": int(len(cu) - 1), "longest_doc": batch["max_length_q"], "ms_fwd_bwd": {}, "rel_err_vs_block_mask": {}}
+    out = {
+        "docs_in_batch": int(len(cu) - 1),
+        "longest_doc": batch["max_length_q"],
+        "ms_fwd_bwd": {},
+        "rel_err_vs_block_mask": {},
+    }
     reference = None
-    for name in ("sdpa_block_mask", "causal_sdpa_whole_blocks", "varlen_aten_gqa", "varlen_attn_public",
-                 "varlen_fa4", "varlen_cudnn_kv_repeated", "causal_cudnn_whole_blocks"):
+    for name in (
+        "sdpa_block_mask",
+        "causal_sdpa_whole_blocks",
+        "varlen_aten_gqa",
+        "varlen_attn_public",
+        "varlen_fa4",
+        "varlen_cudnn_kv_repeated",
+        "causal_cudnn_whole_blocks",
+    ):
         try:
             for t in (q, k, v):
                 t.grad = None
@@ -142,7 +175,9 @@ def attention_costs() -> dict:
             if reference is None:
                 reference = got
             else:
-                out["rel_err_vs_block_mask"][name] = [round(float((a - r).norm() / r.norm()), 5) for a, r in zip(got, reference)]
+                out["rel_err_vs_block_mask"][name] = [
+                    round(float((a - r).norm() / r.norm()), 5) for a, r in zip(got, reference)
+                ]
             out["ms_fwd_bwd"][name] = round(timed(run(forwards[name])), 3)
         except Exception as exc:  # noqa: BLE001 - report, keep measuring the others
             out["ms_fwd_bwd"][name] = f"{type(exc).__name__}: {exc}"[:300]

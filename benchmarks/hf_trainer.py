@@ -29,14 +29,14 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    import deepspeed
     import torch
     import torch.distributed as dist
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from app import config as config_mod, data, ds_config, metrics
+    from app import config as config_mod
+    from app import data, ds_config, metrics
     from app.model import hidden_size, load_model, load_model_config, load_tokenizer
-
-    import deepspeed
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
     # The process group first (as Trainer's own DeepSpeed setup would), so every rank sees the world size.
@@ -49,19 +49,38 @@ def main() -> None:
     total = args.warmup + args.steps
     out_dir = Path(tempfile.mkdtemp(prefix="hf-trainer-"))
     targs = TrainingArguments(
-        output_dir=str(out_dir), per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps, max_steps=total, learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay, adam_beta1=t.adam_betas[0], adam_beta2=t.adam_betas[1], adam_epsilon=t.adam_eps,
-        max_grad_norm=t.max_grad_norm, lr_scheduler_type="constant", warmup_steps=0,
-        bf16=t.precision == "bf16", fp16=t.precision == "fp16", deepspeed=ds, optim="adamw_torch_fused",
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=t.seed,
-        dataloader_num_workers=cfg.data.loader_workers, dataloader_pin_memory=True, dataloader_drop_last=True,
-        use_cpu=not torch.cuda.is_available(), remove_unused_columns=False,
+        output_dir=str(out_dir),
+        per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        max_steps=total,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_betas[0],
+        adam_beta2=t.adam_betas[1],
+        adam_epsilon=t.adam_eps,
+        max_grad_norm=t.max_grad_norm,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        deepspeed=ds,
+        optim="adamw_torch_fused",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=t.seed,
+        dataloader_num_workers=cfg.data.loader_workers,
+        dataloader_pin_memory=True,
+        dataloader_drop_last=True,
+        use_cpu=not torch.cuda.is_available(),
+        remove_unused_columns=False,
     )  # also makes the live HfDeepSpeedConfig that builds a ZeRO-3 model partitioned
     tokenizer = load_tokenizer(cfg.model)
     cache = Path(cfg.experiment_dir) / "cache"
-    train_set, _ = data.prepare(cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path, cache, t.seed,
-                                rank, barrier=dist.barrier)
+    train_set, _ = data.prepare(
+        cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path, cache, t.seed, rank, barrier=dist.barrier
+    )
     # The app's batches: packed documents kept apart (position ids, varlen attention) when the config says so.
     collate = data.collator(cfg.data, tokenizer)
     model = load_model(cfg.model, ds, separate_documents=collate is not None)  # checkpointing, Liger as configured
@@ -84,21 +103,31 @@ def main() -> None:
                 self.losses.append(round(float(logs["loss"]), 4))
 
     clock = Clock()
-    trainer = Trainer(model=model, args=targs, train_dataset=train_set, callbacks=[clock],
-                      **({"data_collator": collate} if collate else {}))
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=train_set,
+        callbacks=[clock],
+        **({"data_collator": collate} if collate else {}),
+    )
     trainer.train()
     if rank != 0:
         return
-    times = [b - a for a, b in zip(clock.ends[:-1], clock.ends[1:])][max(args.warmup - 1, 0):]
+    times = [b - a for a, b in zip(clock.ends[:-1], clock.ends[1:])][max(args.warmup - 1, 0) :]
     per_step = t.micro_batch_size * t.gradient_accumulation_steps * (cfg.data.seq_length - 1)  # as the app counts
     step_s = sum(times) / len(times)
     tps = per_step / step_s
     peak = metrics.peak_flops()
     result = {
-        "steps_logged": len(clock.ends), "steps_timed": len(times), "losses": clock.losses,
-        "time_to_first_step_s": round(clock.ends[0] - launch, 2), "step_s": round(step_s, 4),
-        "step_s_median": round(sorted(times)[len(times) // 2], 4), "step_s_min": round(min(times), 4),
-        "step_s_max": round(max(times), 4), "tokens_per_s_per_gpu": round(tps, 1),
+        "steps_logged": len(clock.ends),
+        "steps_timed": len(times),
+        "losses": clock.losses,
+        "time_to_first_step_s": round(clock.ends[0] - launch, 2),
+        "step_s": round(step_s, 4),
+        "step_s_median": round(sorted(times)[len(times) // 2], 4),
+        "step_s_min": round(min(times), 4),
+        "step_s_max": round(max(times), 4),
+        "tokens_per_s_per_gpu": round(tps, 1),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
     }
     if peak:

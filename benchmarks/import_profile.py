@@ -16,11 +16,11 @@ from pathlib import Path
 SETS = {
     # `finetune train` before the workers start: the CLI, the checks (transformers, the meta-device model), Ray.
     "driver": "import app.cli, app.driver; import transformers; from transformers import AutoModelForCausalLM; "
-              "import ray; from ray.train.torch import TorchTrainer",
+    "import ray; from ray.train.torch import TorchTrainer",
     # A training worker: Ray Train's worker, the loop's module, then what the loop imports as it goes.
     "worker": "from ray.train.torch import TorchTrainer; import app.train_loop; import deepspeed; "
-              "from transformers import AutoTokenizer, AutoModelForCausalLM; import datasets; "
-              "import liger_kernel.transformers",
+    "from transformers import AutoTokenizer, AutoModelForCausalLM; import datasets; "
+    "import liger_kernel.transformers",
 }
 
 
@@ -41,8 +41,12 @@ def profile(code: str) -> dict:
         if not name.startswith("  "):  # one level below the top: what each statement pulled in
             rows.append((name.strip(), cumulative / 1e6))
     rows.sort(key=lambda r: -r[1])
-    return {"wall_s": round(wall, 2), "rc": proc.returncode, "top": [[n, round(s, 2)] for n, s in rows[:25]],
-            "error": proc.stderr[-800:] if proc.returncode else None}
+    return {
+        "wall_s": round(wall, 2),
+        "rc": proc.returncode,
+        "top": [[n, round(s, 2)] for n, s in rows[:25]],
+        "error": proc.stderr[-800:] if proc.returncode else None,
+    }
 
 
 def main() -> None:

@@ -43,8 +43,12 @@ def make(work: Path, shape: assets.Shape) -> dict:
     AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
     os.sync()
     size = sum(f.stat().st_size for f in tmp.glob("*.safetensors"))
-    record = {"shape": shape.name, "bytes": size, "build_s": round(built - started, 1),
-              "write_s": round(time.time() - built, 1)}
+    record = {
+        "shape": shape.name,
+        "bytes": size,
+        "build_s": round(built - started, 1),
+        "write_s": round(time.time() - built, 1),
+    }
     (tmp / "done").write_text(json.dumps(record) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

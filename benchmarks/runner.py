@@ -110,8 +110,9 @@ def wait_gpus_free(limit: float = 30) -> None:
         return
     deadline = time.time() + limit
     while time.time() < deadline:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
         if not out:
             return
         time.sleep(0.5)
@@ -119,12 +120,21 @@ def wait_gpus_free(limit: float = 30) -> None:
 
 def bench_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "warning",
-        # `datasets` imports JAX and TensorFlow when it finds them (seconds per worker at start); torch only here.
-        "USE_JAX": "0", "USE_TF": "0", "USE_TORCH": "1",
-    })
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "RAY_DEDUP_LOGS": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "warning",
+            # `datasets` imports JAX and TensorFlow when it finds them (seconds per worker at start); torch only here.
+            "USE_JAX": "0",
+            "USE_TF": "0",
+            "USE_TORCH": "1",
+        }
+    )
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder cannot parse "9.0a"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
@@ -164,22 +174,27 @@ def startup_phases(metrics: Path, records: list[dict[str, Any]], launch: float) 
 def summarise(records: list[dict[str, Any]], warmup: int, launch: float) -> dict[str, Any]:
     """Figures over the timed steps (those after `warmup`)."""
     timed = records[warmup:]
-    out: dict[str, Any] = {"steps_logged": len(records), "steps_timed": len(timed),
-                           "losses": [round(r["loss"], 4) for r in records]}
+    out: dict[str, Any] = {
+        "steps_logged": len(records),
+        "steps_timed": len(timed),
+        "losses": [round(r["loss"], 4) for r in records],
+    }
     if records:
         out["time_to_first_step_s"] = round(records[0]["time"] - launch, 2)
     if not timed:
         return out
     times = [r["step_time_s"] for r in timed]
     tokens = sum(r["tokens_per_s_per_gpu"] * r["step_time_s"] for r in timed)
-    out.update({
-        "step_s": round(sum(times) / len(times), 4),
-        "step_s_median": round(statistics.median(times), 4),
-        "step_s_min": round(min(times), 4),
-        "step_s_max": round(max(times), 4),
-        "tokens_per_s_per_gpu": round(tokens / sum(times), 1),
-        "peak_mem_gib": round(max(r.get("peak_mem_gib", 0.0) for r in records), 2),
-    })
+    out.update(
+        {
+            "step_s": round(sum(times) / len(times), 4),
+            "step_s_median": round(statistics.median(times), 4),
+            "step_s_min": round(min(times), 4),
+            "step_s_max": round(max(times), 4),
+            "tokens_per_s_per_gpu": round(tokens / sum(times), 1),
+            "peak_mem_gib": round(max(r.get("peak_mem_gib", 0.0) for r in records), 2),
+        }
+    )
     if all("mfu" in r for r in timed):
         out["mfu"] = round(sum(r["mfu"] * r["step_time_s"] for r in timed) / sum(times), 4)
     return out
@@ -198,11 +213,19 @@ def error_lines(log: str, n: int = 6) -> str:
 # ---- the app runner ---------------------------------------------------------------------------------------
 
 
-def launch_app(cfg_path: Path, log_path: Path, env: dict[str, str], tree: Path = REPO) -> tuple[subprocess.Popen, float]:
+def launch_app(
+    cfg_path: Path, log_path: Path, env: dict[str, str], tree: Path = REPO
+) -> tuple[subprocess.Popen, float]:
     log = log_path.open("a")
     launch = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", str(cfg_path)], cwd=tree, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "train", str(cfg_path)],
+        cwd=tree,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     log.close()
     return proc, launch
 
@@ -279,19 +302,32 @@ def measure_saves(metrics: Path, records: list[dict[str, Any]]) -> list[dict[str
         saved_at = next((r["time"] for r in records if r["step"] == c["step"]), c["time"])
         during = [r["step_time_s"] for r in records if saved_at < r["time"] <= c["time"] and r["step"] > c["step"] + 1]
         before = [r["step_time_s"] for r in records if r["step"] < c["step"]][-5:]
-        out.append({
-            "step": c["step"], "background": c["background"], "stall_s": c["stall_s"], "total_s": c["total_s"],
-            "bytes": sum(state["files"].values()), "files": len(state["files"]),
-            "step_after_save_s": next((r["step_time_s"] for r in records if r["step"] == c["step"] + 1), None),
-            "step_s_before": round(statistics.median(before), 4) if before else None,
-            "step_s_while_writing": round(statistics.median(during), 4) if during else None,
-            "steps_while_writing": len(during),
-        })
+        out.append(
+            {
+                "step": c["step"],
+                "background": c["background"],
+                "stall_s": c["stall_s"],
+                "total_s": c["total_s"],
+                "bytes": sum(state["files"].values()),
+                "files": len(state["files"]),
+                "step_after_save_s": next((r["step_time_s"] for r in records if r["step"] == c["step"] + 1), None),
+                "step_s_before": round(statistics.median(before), 4) if before else None,
+                "step_s_while_writing": round(statistics.median(during), 4) if during else None,
+                "steps_while_writing": len(during),
+            }
+        )
     return out
 
 
-def measure_checkpoint(case: Case, cfg_path: Path, run_dir: Path, records: list[dict[str, Any]], launch: float,
-                       log_path: Path, env: dict[str, str]) -> dict[str, Any]:
+def measure_checkpoint(
+    case: Case,
+    cfg_path: Path,
+    run_dir: Path,
+    records: list[dict[str, Any]],
+    launch: float,
+    log_path: Path,
+    env: dict[str, str],
+) -> dict[str, Any]:
     """The run's final checkpoint (written by the loop, straight to its folder): size, write time, and the
     time a new deploy of the same experiment takes to load it."""
     done = sorted((run_dir / "checkpoints").glob("step-*"))
@@ -307,8 +343,12 @@ def measure_checkpoint(case: Case, cfg_path: Path, run_dir: Path, records: list[
     os.sync()
     sync_s = time.time() - t
     out: dict[str, Any] = {
-        "bytes": size, "files": len(files), "save_s": round(save_s, 2), "write_span_s": round(end - first_write, 2),
-        "write_gb_per_s": round(size / save_s / 1e9, 2), "sync_after_s": round(sync_s, 2),
+        "bytes": size,
+        "files": len(files),
+        "save_s": round(save_s, 2),
+        "write_span_s": round(end - first_write, 2),
+        "write_gb_per_s": round(size / save_s / 1e9, 2),
+        "sync_after_s": round(sync_s, 2),
         "durable_gb_per_s": round(size / (save_s + sync_s) / 1e9, 2),
     }
     try:  # read it back from disk, not from the page cache (root in the benchmark VM; skipped elsewhere)
@@ -326,7 +366,7 @@ def measure_checkpoint(case: Case, cfg_path: Path, run_dir: Path, records: list[
     before = log_path.read_text(errors="replace")
     proc, launch2 = launch_app(cfg_resume, log_path, env)
     failure = follow(proc, run_dir / "metrics.jsonl", len(records) + 1, case.timeout, launch2)
-    log = log_path.read_text(errors="replace")[len(before):]
+    log = log_path.read_text(errors="replace")[len(before) :]
     resumed = [r for r in read_records(run_dir / "metrics.jsonl") if r["time"] > launch2]
     if failure or not resumed:
         out["resume_error"] = failure or error_lines(log)
@@ -348,9 +388,23 @@ def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: P
     env = {**bench_env(), **case.env}
     env["BENCH_LAUNCH_T"] = repr(time.time())
     out_json.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
-           "-m", "benchmarks.hf_trainer", "--config", str(cfg_path), "--warmup", str(case.warmup),
-           "--steps", str(case.steps), "--out", str(out_json)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={workers}",
+        "-m",
+        "benchmarks.hf_trainer",
+        "--config",
+        str(cfg_path),
+        "--warmup",
+        str(case.warmup),
+        "--steps",
+        str(case.steps),
+        "--out",
+        str(out_json),
+    ]
     with log_path.open("a") as log:
         launch = time.time()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -57,8 +57,9 @@ def tiny_overrides(storage: Path, name: str, model: Path, **extra) -> list[str]:
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **CLI_ENV, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def losses(run_dir: Path) -> dict[int, float]:

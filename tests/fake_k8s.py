@@ -48,9 +48,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import jsonschema
-import yaml
-
 import k8s_support
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CRD_FILE = "ray.io_rayjobs.yaml"
@@ -58,8 +57,16 @@ TOKEN = "fake-token-for-tests"
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-SERVER_METADATA = ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp",
-                   "deletionGracePeriodSeconds", "managedFields", "selfLink")
+SERVER_METADATA = (
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "managedFields",
+    "selfLink",
+)
 
 
 def crd_path() -> Path:
@@ -77,7 +84,9 @@ def load_schema(path: Path | None = None) -> dict:
 def _schema(path: str) -> dict:
     """The CRD's v1 openAPIV3Schema, parsed once per process (25,000 lines of YAML)."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"KubeRay RayJob CRD not found at {path}: set KUBERAY_CRDS_DIR to the folder with {CRD_FILE}")
+        raise FileNotFoundError(
+            f"KubeRay RayJob CRD not found at {path}: set KUBERAY_CRDS_DIR to the folder with {CRD_FILE}"
+        )
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     doc = yaml.load(Path(path).read_text(), Loader=loader)  # noqa: S506 - a safe loader
     version = next(v for v in doc["spec"]["versions"] if v["name"] == "v1")
@@ -94,8 +103,15 @@ class ApiError(Exception):
         self.code, self.reason, self.message, self.details = code, reason, message, details
 
     def status(self) -> dict:
-        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": self.message,
-                "reason": self.reason, "code": self.code}
+        body = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
         if self.details:
             body["details"] = self.details
         return body
@@ -168,7 +184,12 @@ def json_patch(target, ops: list):
         if kind == "test":
             current = parent[int(last)] if isinstance(parent, list) else parent.get(last)
             if current != op["value"]:
-                raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: testing value {op['path']} failed")
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f"the server rejected our request due to an error in our request: testing value "
+                    f"{op['path']} failed",
+                )
         elif kind in ("add", "replace"):
             if isinstance(parent, list):
                 idx = len(parent) if last == "-" else int(last)
@@ -178,7 +199,12 @@ def json_patch(target, ops: list):
                     parent[idx] = op["value"]
             else:
                 if kind == "replace" and last not in parent:
-                    raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: replace operation does not apply: doc is missing key: {op['path']}")
+                    raise ApiError(
+                        422,
+                        "Invalid",
+                        f"the server rejected our request due to an error in our request: replace operation "
+                        f"does not apply: doc is missing key: {op['path']}",
+                    )
                 parent[last] = op["value"]
         elif kind == "remove":
             if isinstance(parent, list):
@@ -186,7 +212,12 @@ def json_patch(target, ops: list):
             elif last in parent:
                 del parent[last]
             else:
-                raise ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: remove operation does not apply: doc is missing path: {op['path']}")
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f"the server rejected our request due to an error in our request: remove operation does not "
+                    f"apply: doc is missing path: {op['path']}",
+                )
         else:
             raise ApiError(400, "BadRequest", f"unsupported JSON patch operation {kind}")
     return doc
@@ -233,8 +264,11 @@ def label_selector_matches(selector: str, labels: dict[str, str]) -> bool:
 def check_selector(selector: str) -> None:
     for term in re.split(r",(?![^(]*\))", selector or ""):
         term = term.strip()
-        if term and not re.fullmatch(r"!?[A-Za-z0-9./_-]+|[A-Za-z0-9./_-]+\s*(==|=|!=)\s*[A-Za-z0-9._-]*|"
-                                     r"[A-Za-z0-9./_-]+\s+(in|notin)\s+\([A-Za-z0-9._,\s-]*\)", term):
+        if term and not re.fullmatch(
+            r"!?[A-Za-z0-9./_-]+|[A-Za-z0-9./_-]+\s*(==|=|!=)\s*[A-Za-z0-9._-]*|"
+            r"[A-Za-z0-9./_-]+\s+(in|notin)\s+\([A-Za-z0-9._,\s-]*\)",
+            term,
+        ):
             raise ApiError(400, "BadRequest", f"unable to parse requirement: invalid label selector: {term!r}")
 
 
@@ -243,7 +277,9 @@ class FakeKube:
 
     def __init__(self, schema_path: Path | None = None, finalize_delay_s: float = 0.3):
         self.schema = load_schema(schema_path)
-        self.validator = jsonschema.Draft4Validator(self.schema, format_checker=jsonschema.Draft4Validator.FORMAT_CHECKER)
+        self.validator = jsonschema.Draft4Validator(
+            self.schema, format_checker=jsonschema.Draft4Validator.FORMAT_CHECKER
+        )
         self.rayjobs: dict[tuple[str, str], dict] = {}
         self.pods: dict[tuple[str, str], dict] = {}
         self.logs: dict[tuple[str, str, str], str] = {}
@@ -292,7 +328,9 @@ class FakeKube:
 
     def write_kubeconfig(self, path: Path, namespace: str = "default", server: str | None = None) -> Path:
         doc = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "fake",
             "clusters": [{"name": "fake", "cluster": {"server": server or self.url}}],
             "users": [{"name": "tester", "user": {"token": TOKEN}}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester", "namespace": namespace}}],
@@ -310,8 +348,9 @@ class FakeKube:
             obj = self.rayjobs.get((namespace, name))
             return copy.deepcopy(obj) if obj else None
 
-    def add_rayjob(self, obj: dict, status: dict | None = None, finalizers: list[str] | None = None,
-                   created: str | None = None) -> dict:
+    def add_rayjob(
+        self, obj: dict, status: dict | None = None, finalizers: list[str] | None = None, created: str | None = None
+    ) -> dict:
         """Create as a client would (validated), then play the operator: finalizers and status."""
         ns = obj["metadata"].get("namespace", "default")
         stored = self._create(ns, copy.deepcopy(obj))
@@ -332,13 +371,28 @@ class FakeKube:
             live["status"] = copy.deepcopy(status)
             live["metadata"]["resourceVersion"] = self._next_rv()
 
-    def add_pod(self, namespace: str, name: str, labels: dict, containers: list[str], logs: dict[str, str],
-                phase: str = "Running", created: str | None = None) -> None:
+    def add_pod(
+        self,
+        namespace: str,
+        name: str,
+        labels: dict,
+        containers: list[str],
+        logs: dict[str, str],
+        phase: str = "Running",
+        created: str | None = None,
+    ) -> None:
         with self._lock:
             self.pods[(namespace, name)] = {
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": namespace, "labels": labels, "uid": str(uuid.uuid4()),
-                             "resourceVersion": self._next_rv(), "creationTimestamp": created or now()},
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "labels": labels,
+                    "uid": str(uuid.uuid4()),
+                    "resourceVersion": self._next_rv(),
+                    "creationTimestamp": created or now(),
+                },
                 "spec": {"containers": [{"name": c, "image": "rayproject/ray:2.60.0"} for c in containers]},
                 "status": {"phase": phase},
             }
@@ -348,8 +402,12 @@ class FakeKube:
     def validate_rayjob(self, obj: dict, namespace: str) -> None:
         problems = []
         if obj.get("apiVersion") != "ray.io/v1" or obj.get("kind") != "RayJob":
-            raise ApiError(400, "BadRequest", f"the API version in the data ({obj.get('apiVersion')}) and kind "
-                                              f"({obj.get('kind')}) do not match ray.io/v1, RayJob")
+            raise ApiError(
+                400,
+                "BadRequest",
+                f"the API version in the data ({obj.get('apiVersion')}) and kind "
+                f"({obj.get('kind')}) do not match ray.io/v1, RayJob",
+            )
         meta = obj.get("metadata")
         if not isinstance(meta, dict):
             problems.append("metadata: Required value")
@@ -358,30 +416,59 @@ class FakeKube:
         if not name:
             problems.append("metadata.name: Required value: name or generateName is required")
         elif len(name) > 253 or not DNS_SUBDOMAIN.match(name):
-            problems.append(f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 subdomain must consist of "
-                            "lower case alphanumeric characters, '-' or '.'")
+            problems.append(
+                f"metadata.name: Invalid value: {name!r}: a lowercase RFC 1123 subdomain must consist of "
+                "lower case alphanumeric characters, '-' or '.'"
+            )
         if meta.get("namespace") not in (None, namespace):
-            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
         for key, value in (meta.get("labels") or {}).items():
             if not isinstance(value, str) or len(value) > 63 or not LABEL_VALUE.match(value):
-                problems.append(f"metadata.labels: Invalid value: {value!r}: a valid label must be 63 characters or less")
+                problems.append(
+                    f"metadata.labels: Invalid value: {value!r}: a valid label must be 63 characters or less"
+                )
             if not LABEL_NAME.match(key.split("/")[-1]) or len(key.split("/")[-1]) > 63:
-                problems.append(f"metadata.labels: Invalid value: {key!r}: name part must consist of alphanumeric characters")
+                problems.append(
+                    f"metadata.labels: Invalid value: {key!r}: name part must consist of alphanumeric characters"
+                )
         for key, value in (meta.get("annotations") or {}).items():
             if not isinstance(value, str):
                 problems.append(f"metadata.annotations.{key}: Invalid value: must be a string")
-        unknown_meta = set(meta) - {"name", "generateName", "namespace", "labels", "annotations", "finalizers",
-                                    "ownerReferences", *SERVER_METADATA}
+        unknown_meta = set(meta) - {
+            "name",
+            "generateName",
+            "namespace",
+            "labels",
+            "annotations",
+            "finalizers",
+            "ownerReferences",
+            *SERVER_METADATA,
+        }
         problems += [f'unknown field "metadata.{k}"' for k in sorted(unknown_meta)]
-        problems += [f'unknown field "{f}"' for f in unknown_fields({k: v for k, v in obj.items() if k != "metadata"}, self.schema)]
+        problems += [
+            f'unknown field "{f}"'
+            for f in unknown_fields({k: v for k, v in obj.items() if k != "metadata"}, self.schema)
+        ]
         for error in sorted(self.validator.iter_errors(obj), key=lambda e: list(e.path)):
             where = ".".join(str(p) for p in error.path) or "<root>"
             problems.append(f"{where}: Invalid value: {error.message}")
         if problems:
             self.schema_errors += problems
-            raise ApiError(422, "Invalid", f'RayJob.ray.io "{name}" is invalid: ' + "; ".join(problems),
-                           {"name": name, "group": "ray.io", "kind": "RayJob",
-                            "causes": [{"reason": "FieldValueInvalid", "message": p} for p in problems]})
+            raise ApiError(
+                422,
+                "Invalid",
+                f'RayJob.ray.io "{name}" is invalid: ' + "; ".join(problems),
+                {
+                    "name": name,
+                    "group": "ray.io",
+                    "kind": "RayJob",
+                    "causes": [{"reason": "FieldValueInvalid", "message": p} for p in problems],
+                },
+            )
 
     def _create(self, namespace: str, obj: dict) -> dict:
         apply_defaults(obj, self.schema)  # the server defaults, then validates
@@ -392,12 +479,21 @@ class FakeKube:
             existing = self.rayjobs.get((namespace, name))
             if existing:
                 prefix = "object is being deleted: " if existing["metadata"].get("deletionTimestamp") else ""
-                raise ApiError(409, "AlreadyExists", f'{prefix}rayjobs.ray.io "{name}" already exists',
-                               {"name": name, "group": "ray.io", "kind": "rayjobs"})
+                raise ApiError(
+                    409,
+                    "AlreadyExists",
+                    f'{prefix}rayjobs.ray.io "{name}" already exists',
+                    {"name": name, "group": "ray.io", "kind": "rayjobs"},
+                )
             for key in SERVER_METADATA:
                 meta.pop(key, None)
-            meta.update(namespace=namespace, uid=str(uuid.uuid4()), generation=1, creationTimestamp=now(),
-                        resourceVersion=self._next_rv())
+            meta.update(
+                namespace=namespace,
+                uid=str(uuid.uuid4()),
+                generation=1,
+                creationTimestamp=now(),
+                resourceVersion=self._next_rv(),
+            )
             obj.pop("status", None)  # status subresource: ignored on create
             self.rayjobs[(namespace, name)] = obj
             return copy.deepcopy(obj)
@@ -410,12 +506,20 @@ class FakeKube:
             meta = new.get("metadata") or {}
             rv = meta.get("resourceVersion")
             if require_rv and not rv:
-                raise ApiError(422, "Invalid", f'RayJob.ray.io "{name}" is invalid: metadata.resourceVersion: Invalid '
-                                               'value: 0x0: must be specified for an update')
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f'RayJob.ray.io "{name}" is invalid: metadata.resourceVersion: Invalid '
+                    "value: 0x0: must be specified for an update",
+                )
             if rv and rv != live["metadata"]["resourceVersion"]:
-                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on rayjobs.ray.io "{name}": the object '
-                                                'has been modified; please apply your changes to the latest version and try again',
-                               {"name": name, "group": "ray.io", "kind": "rayjobs"})
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on rayjobs.ray.io "{name}": the object '
+                    "has been modified; please apply your changes to the latest version and try again",
+                    {"name": name, "group": "ray.io", "kind": "rayjobs"},
+                )
             if meta.get("name", name) != name:
                 raise ApiError(400, "BadRequest", "the name of the object does not match the name on the URL")
             apply_defaults(new, self.schema)
@@ -447,15 +551,27 @@ class FakeKube:
             pre = options.get("preconditions") or {}
             meta = live["metadata"]
             if pre.get("uid") and pre["uid"] != meta["uid"]:
-                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on rayjobs.ray.io "{name}": Precondition '
-                                                f'failed: UID in precondition: {pre["uid"]}, UID in object meta: {meta["uid"]}')
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on rayjobs.ray.io "{name}": Precondition '
+                    f"failed: UID in precondition: {pre['uid']}, UID in object meta: {meta['uid']}",
+                )
             if pre.get("resourceVersion") and pre["resourceVersion"] != meta["resourceVersion"]:
-                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on rayjobs.ray.io "{name}": Precondition '
-                                                f'failed: ResourceVersion in precondition: {pre["resourceVersion"]}, '
-                                                f'ResourceVersion in object meta: {meta["resourceVersion"]}')
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f'Operation cannot be fulfilled on rayjobs.ray.io "{name}": Precondition '
+                    f"failed: ResourceVersion in precondition: {pre['resourceVersion']}, "
+                    f"ResourceVersion in object meta: {meta['resourceVersion']}",
+                )
             policy = policy or options.get("propagationPolicy")
             if policy not in (None, "Foreground", "Background", "Orphan"):
-                raise ApiError(422, "Invalid", f"DeleteOptions.meta.k8s.io is invalid: propagationPolicy: Unsupported value: {policy!r}")
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f"DeleteOptions.meta.k8s.io is invalid: propagationPolicy: Unsupported value: {policy!r}",
+                )
             finalizers = list(meta.get("finalizers") or [])
             if policy == "Foreground" and "foregroundDeletion" not in finalizers:
                 finalizers.append("foregroundDeletion")
@@ -465,8 +581,12 @@ class FakeKube:
                 del self.rayjobs[(namespace, name)]
                 return copy.deepcopy(live)
             if not meta.get("deletionTimestamp"):
-                meta.update(finalizers=finalizers, deletionTimestamp=now(), deletionGracePeriodSeconds=0,
-                            resourceVersion=self._next_rv())
+                meta.update(
+                    finalizers=finalizers,
+                    deletionTimestamp=now(),
+                    deletionGracePeriodSeconds=0,
+                    resourceVersion=self._next_rv(),
+                )
                 timer = threading.Timer(self.finalize_delay_s, self._finalize, (namespace, name, meta["uid"]))
                 timer.daemon = True
                 self._timers.append(timer)
@@ -483,8 +603,15 @@ class FakeKube:
     # Request dispatch (called by the handler).
     def handle(self, method: str, path: str, query: dict, headers, body: bytes, record: dict | None = None):
         record = record if record is not None else {}
-        record.update(method=method, path=path, query=query, body=body.decode() if body else "",
-                      content_type=headers.get("Content-Type", ""), code=None, time=time.time())
+        record.update(
+            method=method,
+            path=path,
+            query=query,
+            body=body.decode() if body else "",
+            content_type=headers.get("Content-Type", ""),
+            code=None,
+            time=time.time(),
+        )
         self.requests.append(record)
         if self.before:
             self.before(method, path)
@@ -495,22 +622,38 @@ class FakeKube:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         if m:
             ns, name = m.groups()
-            verb = {"GET": "get" if name else "list", "POST": "create", "PUT": "update", "PATCH": "patch",
-                    "DELETE": "delete"}.get(method)
+            verb = {
+                "GET": "get" if name else "list",
+                "POST": "create",
+                "PUT": "update",
+                "PATCH": "patch",
+                "DELETE": "delete",
+            }.get(method)
             if verb is None or (verb == "create" and name):
-                raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
+                raise ApiError(
+                    405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+                )
             if self.mode == "forbidden" or verb in self.forbidden_verbs:
                 user = "system:serviceaccount:default:tester"
                 who = f'"{name}" ' if name else ""
-                raise ApiError(403, "Forbidden", f'rayjobs.ray.io {who}is forbidden: User "{user}" cannot {verb} resource '
-                                                 f'"rayjobs" in API group "ray.io" in the namespace "{ns}"',
-                               {"name": name or "", "group": "ray.io", "kind": "rayjobs"})
+                raise ApiError(
+                    403,
+                    "Forbidden",
+                    f'rayjobs.ray.io {who}is forbidden: User "{user}" cannot {verb} resource '
+                    f'"rayjobs" in API group "ray.io" in the namespace "{ns}"',
+                    {"name": name or "", "group": "ray.io", "kind": "rayjobs"},
+                )
             return self._rayjobs(verb, ns, name, query, headers, body)
         m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?", path)
         if m and method == "GET":
             ns, name, is_log = m.groups()
             if self.mode == "forbidden":
-                raise ApiError(403, "Forbidden", f'pods is forbidden: User "tester" cannot list resource "pods" in API group "" in the namespace "{ns}"')
+                raise ApiError(
+                    403,
+                    "Forbidden",
+                    f'pods is forbidden: User "tester" cannot list resource "pods" in API group "" in the '
+                    f'namespace "{ns}"',
+                )
             return self._pods(ns, name, bool(is_log), query)
         raise ApiError(404, "NotFound", "the server could not find the requested resource")
 
@@ -525,10 +668,17 @@ class FakeKube:
             selector = query.get("labelSelector", [""])[0]
             check_selector(selector)
             with self._lock:
-                items = [copy.deepcopy(o) for (n, _), o in sorted(self.rayjobs.items())
-                         if n == ns and label_selector_matches(selector, o["metadata"].get("labels") or {})]
-                return 200, {"apiVersion": "ray.io/v1", "kind": "RayJobList", "items": items,
-                             "metadata": {"resourceVersion": str(self._rv)}}
+                items = [
+                    copy.deepcopy(o)
+                    for (n, _), o in sorted(self.rayjobs.items())
+                    if n == ns and label_selector_matches(selector, o["metadata"].get("labels") or {})
+                ]
+                return 200, {
+                    "apiVersion": "ray.io/v1",
+                    "kind": "RayJobList",
+                    "items": items,
+                    "metadata": {"resourceVersion": str(self._rv)},
+                }
         if verb == "get":
             obj = self.rayjob(ns, name)
             if obj is None:
@@ -551,12 +701,18 @@ class FakeKube:
                 new = merge_patch(live, patch)
             elif ctype == "application/json-patch+json":
                 if not isinstance(patch, list):
-                    raise ApiError(400, "BadRequest", "json: cannot unmarshal object into Go value of type jsonpatch.Patch")
+                    raise ApiError(
+                        400, "BadRequest", "json: cannot unmarshal object into Go value of type jsonpatch.Patch"
+                    )
                 new = json_patch(live, patch)
             else:
-                raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - accepted "
-                                                            "media types include: application/json-patch+json, "
-                                                            "application/merge-patch+json, application/apply-patch+yaml")
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format - accepted "
+                    "media types include: application/json-patch+json, "
+                    "application/merge-patch+json, application/apply-patch+yaml",
+                )
             # A patch carries resourceVersion only when the client asks for optimistic concurrency.
             if isinstance(patch, dict) and not (patch.get("metadata") or {}).get("resourceVersion"):
                 new["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
@@ -572,9 +728,17 @@ class FakeKube:
             selector = query.get("labelSelector", [""])[0]
             check_selector(selector)
             with self._lock:
-                items = [copy.deepcopy(p) for (n, _), p in sorted(self.pods.items())
-                         if n == ns and label_selector_matches(selector, p["metadata"]["labels"])]
-            return 200, {"apiVersion": "v1", "kind": "PodList", "items": items, "metadata": {"resourceVersion": str(self._rv)}}
+                items = [
+                    copy.deepcopy(p)
+                    for (n, _), p in sorted(self.pods.items())
+                    if n == ns and label_selector_matches(selector, p["metadata"]["labels"])
+                ]
+            return 200, {
+                "apiVersion": "v1",
+                "kind": "PodList",
+                "items": items,
+                "metadata": {"resourceVersion": str(self._rv)},
+            }
         pod = self.pods.get((ns, name))
         if pod is None:
             raise ApiError(404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"})
@@ -584,18 +748,23 @@ class FakeKube:
         container = query.get("container", [None])[0]
         if container is None:
             if len(containers) > 1:
-                raise ApiError(400, "BadRequest", f"a container name must be specified for pod {name}, choose one of: "
-                                                  f"[{' '.join(containers)}]")
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    f"a container name must be specified for pod {name}, choose one of: [{' '.join(containers)}]",
+                )
             container = containers[0]
         if container not in containers:
             raise ApiError(400, "BadRequest", f"container {container} is not valid for pod {name}")
         if pod["status"]["phase"] == "Pending":
-            raise ApiError(400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating')
+            raise ApiError(
+                400, "BadRequest", f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating'
+            )
         text = self.logs.get((ns, name, container), "")
         tail = query.get("tailLines", [None])[0]
         if tail is not None:
             lines = text.splitlines(keepends=True)
-            text = "".join(lines[-int(tail):]) if int(tail) > 0 else ""
+            text = "".join(lines[-int(tail) :]) if int(tail) > 0 else ""
         return 200, _LogText(text, follow=query.get("follow", ["false"])[0] == "true")
 
 
@@ -605,7 +774,9 @@ class _LogText:
 
 
 def _not_found(name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'rayjobs.ray.io "{name}" not found', {"name": name, "group": "ray.io", "kind": "rayjobs"})
+    return ApiError(
+        404, "NotFound", f'rayjobs.ray.io "{name}" not found', {"name": name, "group": "ray.io", "kind": "rayjobs"}
+    )
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -622,11 +793,16 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         record: dict = {}
         try:
-            code, payload = self.server_fake.handle(self.command, parts.path, parse_qs(parts.query), self.headers, body, record)
+            code, payload = self.server_fake.handle(
+                self.command, parts.path, parse_qs(parts.query), self.headers, body, record
+            )
         except ApiError as exc:
             code, payload = exc.code, exc.status()
         except Exception as exc:  # noqa: BLE001 - a bug in the fake must show up as a 500, not hang the client
-            code, payload = 500, ApiError(500, "InternalError", f"fake server error: {type(exc).__name__}: {exc}").status()
+            code, payload = (
+                500,
+                ApiError(500, "InternalError", f"fake server error: {type(exc).__name__}: {exc}").status(),
+            )
         record["code"] = code
         if isinstance(payload, _LogText):
             self._send_log(payload)

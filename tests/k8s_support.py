@@ -53,8 +53,13 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return out
 
 
-def template_args(values: list[Path] = (), sets: list[str] = (), set_json: list[str] = (),
-                  release: str = "gpt2-agnews", namespace: str = "default") -> list[str]:
+def template_args(
+    values: list[Path] = (),
+    sets: list[str] = (),
+    set_json: list[str] = (),
+    release: str = "gpt2-agnews",
+    namespace: str = "default",
+) -> list[str]:
     args = ["template", release, str(CHART), "--namespace", namespace]
     for v in values:
         args += ["-f", str(v)]
@@ -65,8 +70,13 @@ def template_args(values: list[Path] = (), sets: list[str] = (), set_json: list[
     return args
 
 
-def render(values: list[Path] = (), sets: list[str] = (), set_json: list[str] = (),
-           release: str = "gpt2-agnews", namespace: str = "default") -> list[dict[str, Any]]:
+def render(
+    values: list[Path] = (),
+    sets: list[str] = (),
+    set_json: list[str] = (),
+    release: str = "gpt2-agnews",
+    namespace: str = "default",
+) -> list[dict[str, Any]]:
     """`helm template` of the chart, parsed into objects."""
     return parse(helm(*template_args(values, sets, set_json, release, namespace)).stdout)
 
@@ -90,7 +100,9 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 def kuberay_version() -> str:
     """The operator version tools/controlplane/kuberay/go.mod requires (the one place it is set)."""
-    match = re.search(rf"^require {re.escape(OPERATOR_MODULE)} (v\S+)", (KUBERAY_MODULE_DIR / "go.mod").read_text(), re.M)
+    match = re.search(
+        rf"^require {re.escape(OPERATOR_MODULE)} (v\S+)", (KUBERAY_MODULE_DIR / "go.mod").read_text(), re.M
+    )
     assert match, f"{KUBERAY_MODULE_DIR / 'go.mod'} does not require {OPERATOR_MODULE} on one line"
     return match.group(1)
 
@@ -114,17 +126,26 @@ def operator_module_dir() -> Path:
     version = kuberay_version()
     go = shutil.which(os.environ.get("GO", "go"))
     if not go:
-        raise CrdsUnavailable(f"the KubeRay {version} CRDs come from its Go module and no Go toolchain is on PATH: "
-                              "install Go (https://go.dev/dl), or set KUBERAY_CRDS_DIR to a folder with the CRDs")
-    out = subprocess.run([go, "mod", "download", "-json", f"{OPERATOR_MODULE}@{version}"], cwd=KUBERAY_MODULE_DIR,
-                         capture_output=True, text=True, timeout=600)
+        raise CrdsUnavailable(
+            f"the KubeRay {version} CRDs come from its Go module and no Go toolchain is on PATH: "
+            "install Go (https://go.dev/dl), or set KUBERAY_CRDS_DIR to a folder with the CRDs"
+        )
+    out = subprocess.run(
+        [go, "mod", "download", "-json", f"{OPERATOR_MODULE}@{version}"],
+        cwd=KUBERAY_MODULE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     try:
         info = json.loads(out.stdout)
     except json.JSONDecodeError:
         info = {"Error": out.stderr.strip() or out.stdout.strip()}
     if out.returncode or info.get("Error") or not info.get("Dir"):
-        raise CrdsUnavailable(f"go mod download {OPERATOR_MODULE}@{version} failed: {info.get('Error')} "
-                              "(is the Go module proxy reachable? or set KUBERAY_CRDS_DIR)")
+        raise CrdsUnavailable(
+            f"go mod download {OPERATOR_MODULE}@{version} failed: {info.get('Error')} "
+            "(is the Go module proxy reachable? or set KUBERAY_CRDS_DIR)"
+        )
     return Path(info["Dir"])
 
 
@@ -189,8 +210,9 @@ def validate_core(objects: list[dict[str, Any]], tmp: Path) -> None:
         return
     path = tmp / f"core-{len(list(tmp.glob('core-*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    out = subprocess.run([tool("kubernetes-validate"), "--strict", "--quiet", str(path)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, f"kubernetes-validate --strict failed:\n{out.stdout}\n{out.stderr}"
 
 
@@ -230,16 +252,21 @@ def strict(node: Any) -> Any:
         for key in ("anyOf", "allOf", "oneOf"):
             for v in node.get(key, []):
                 strict(v)
-        if ("properties" in node and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
             node["additionalProperties"] = False
     return node
 
 
 def validate_ray(obj: dict[str, Any]) -> None:
     errors = sorted(crd_validator(obj["kind"]).iter_errors(obj), key=lambda e: list(e.path))
-    assert not errors, f"{obj['kind']} {obj['metadata']['name']} breaks the KubeRay {kuberay_version()} CRD schema:\n" + "\n".join(
-        f"  {'.'.join(map(str, e.path))}: {e.message}" for e in errors[:20])
+    assert not errors, (
+        f"{obj['kind']} {obj['metadata']['name']} breaks the KubeRay {kuberay_version()} CRD schema:\n"
+        + "\n".join(f"  {'.'.join(map(str, e.path))}: {e.message}" for e in errors[:20])
+    )
     kuberay_rules(obj)
 
 
@@ -278,8 +305,9 @@ def cluster_rules(spec: dict[str, Any]) -> None:
         params = group.get("rayStartParams", {})
         assert "labels" not in params, f"group {name}: rayStartParams['labels'] is not supported"
         if group.get("resources"):
-            assert not {"num-cpus", "num-gpus", "memory", "resources"} & set(params), \
+            assert not {"num-cpus", "num-gpus", "memory", "resources"} & set(params), (
                 f"group {name}: resources in both rayStartParams and resources"
+            )
     for g in spec.get("workerGroupSpecs", []):
         assert DNS1035.match(g["groupName"]), g["groupName"]
         if not autoscaling:

@@ -27,9 +27,26 @@ def _configs(tmp_path, cases):
 
 
 def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
-    cases = {c.name + "/" + suite: c for suite in ("explore", "gpu", "tune", "final", "prefetch", "confirm", "peer", "peer1", "peer2",
-                                                   "start", "tutorial", "start-ab", "start-ab2", "ckpt")
-             for c in bench.SUITES[suite]()}
+    cases = {
+        c.name + "/" + suite: c
+        for suite in (
+            "explore",
+            "gpu",
+            "tune",
+            "final",
+            "prefetch",
+            "confirm",
+            "peer",
+            "peer1",
+            "peer2",
+            "start",
+            "tutorial",
+            "start-ab",
+            "start-ab2",
+            "ckpt",
+        )
+        for c in bench.SUITES[suite]()
+    }
     seen = 0
     for case, knobs in _configs(tmp_path, cases.values()):
         seen += 1
@@ -41,7 +58,11 @@ def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
         assert not isinstance(knobs, ConfigError), (case.name, knobs)
         zero = knobs["ds_config"]["zero_optimization"]
         assert knobs["workers"] == case.sets.get("scaling.num_workers", 2)
-        if knobs["stage"] == 3 and "deepspeed.zero_optimization.leaf_module" not in case.sets and case.shape.startswith("llama"):
+        if (
+            knobs["stage"] == 3
+            and "deepspeed.zero_optimization.leaf_module" not in case.sets
+            and case.shape.startswith("llama")
+        ):
             # The defaults: whole Llama layers, and a prefetch bucket of at least one of them.
             assert zero["leaf_module"]["classes"] == ["LlamaDecoderLayer"], (case.name, zero)
             assert zero["stage3_prefetch_bucket_size"] >= (44_044_288 if case.shape == "llama-1.1b" else 218_112_000)
@@ -60,7 +81,10 @@ def test_smoke_suite_runs_every_runner_on_cpu(tmp_path):
         assert r["steps_timed"] >= 3 and r["tokens_per_s_per_gpu"] > 0, r
         if r["runner"] == "app":  # the start-up, phase by phase, from launch to the first step
             phases = r["startup"]
-            assert list(phases)[:2] == ["launch_to_driver", "ray_started"] and list(phases)[-2:] == ["engine", "first_step"]
+            assert list(phases)[:2] == ["launch_to_driver", "ray_started"] and list(phases)[-2:] == [
+                "engine",
+                "first_step",
+            ]
             assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= r["time_to_first_step_s"] + 0.5, r
     ckpt = next(r["checkpoint"] for r in rows if r.get("checkpoint"))
     assert ckpt["bytes"] > 0 and ckpt["resumed_at_step"] == 5 and ckpt["load_s"] >= 0, ckpt  # tiny: 0.0 s

@@ -16,11 +16,25 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from k8s_support import (
+    CHART,
+    EXAMPLE_VALUES,
+    REPO,
+    by_kind,
+    cluster_spec,
+    config_files,
+    container,
+    env_of,
+    helm,
+    one,
+    pod_templates,
+    render,
+    template_args,
+    validate_all,
+)
 
 from app import schema as schema_mod
 from app.config import TrainingConfig
-from k8s_support import (CHART, EXAMPLE_VALUES, REPO, by_kind, cluster_spec, config_files, container, env_of,
-                         helm, one, pod_templates, render, template_args, validate_all)
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 CHART_META = yaml.safe_load((CHART / "Chart.yaml").read_text())
@@ -80,22 +94,35 @@ RULE_CASES = {
     "enabled-not-bool": ({"deepspeed": {"bf16": {"enabled": "yes"}}}, True),
     "stage-out-of-range": ({"deepspeed": {"zero_optimization": {"stage": 4}}}, True),
     "stage-as-text": ({"deepspeed": {"zero_optimization": {"stage": "three"}}}, True),
-    "offload-param-stage-2": ({"deepspeed": {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}},
-                              True),
-    "offload-param-tutorial-stage": ({"deepspeed": {"zero_optimization": {"offload_param": {"device": "nvme"}}}}, False),
-    "offload-optimizer-stage-0": ({"deepspeed": {"zero_optimization": {"stage": 0, "offload_optimizer": {
-        "device": "cpu"}}}}, True),
-    "offload-optimizer-stage-1": ({"deepspeed": {"zero_optimization": {"stage": 1, "offload_optimizer": {
-        "device": "cpu"}}}}, False),
-    "offload-none-stage-0": ({"deepspeed": {"zero_optimization": {"stage": 0, "offload_param": {"device": "none"}}}},
-                             False),
+    "offload-param-stage-2": (
+        {"deepspeed": {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}},
+        True,
+    ),
+    "offload-param-tutorial-stage": (
+        {"deepspeed": {"zero_optimization": {"offload_param": {"device": "nvme"}}}},
+        False,
+    ),
+    "offload-optimizer-stage-0": (
+        {"deepspeed": {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}},
+        True,
+    ),
+    "offload-optimizer-stage-1": (
+        {"deepspeed": {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}},
+        False,
+    ),
+    "offload-none-stage-0": (
+        {"deepspeed": {"zero_optimization": {"stage": 0, "offload_param": {"device": "none"}}}},
+        False,
+    ),
     "top-level-offload": ({"deepspeed": {"offload_param": {"device": "cpu"}}}, True),
     "leaf-names-auto": ({"deepspeed": {"zero_optimization": {"leaf_module": {"names": "auto"}}}}, True),
     "leaf-unknown-key": ({"deepspeed": {"zero_optimization": {"leaf_module": {"class": ["X"]}}}}, True),
     "leaf-classes": ({"deepspeed": {"zero_optimization": {"leaf_module": {"classes": ["GPT2Block"]}}}}, False),
     "batch-not-a-number": ({"deepspeed": {"train_micro_batch_size_per_gpu": "two"}}, True),
-    "extra-keys-pass": ({"deepspeed": {"zero_optimization": {"round_robin_gradients": True}, "comms_logger": {
-        "enabled": True}}}, False),
+    "extra-keys-pass": (
+        {"deepspeed": {"zero_optimization": {"round_robin_gradients": True}, "comms_logger": {"enabled": True}}},
+        False,
+    ),
     "optimizer-not-a-mapping": ({"deepspeed": {"optimizer": "adam"}}, True),
     "eval-both": ({"data": {"eval_split": "test", "eval_fraction": 0.1}}, True),
     "eval-split-only": ({"data": {"eval_split": "test"}}, False),
@@ -149,7 +176,9 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
 
     # Every object is named and labelled after the experiment.
     for o in objects:
-        assert o["metadata"]["name"] == name or o["kind"] == "PersistentVolumeClaim" and values["storage"]["existingClaim"]
+        assert (
+            o["metadata"]["name"] == name or o["kind"] == "PersistentVolumeClaim" and values["storage"]["existingClaim"]
+        )
         assert o["metadata"]["labels"]["ray-finetune/experiment"] == name
     assert f"--set experiment.name={name}" in job["spec"]["entrypoint"]
     assert job["spec"]["entrypoint"].startswith("finetune train /etc/finetune/training.yaml ")
@@ -170,7 +199,10 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
         assert shm["medium"] == "Memory" and shm["sizeLimit"], role
         env = env_of(c)
         assert env["HF_HOME"].startswith(mount + "/"), role
-        assert tpl["metadata"]["annotations"]["checksum/config"] == templates["head"]["metadata"]["annotations"]["checksum/config"]
+        assert (
+            tpl["metadata"]["annotations"]["checksum/config"]
+            == templates["head"]["metadata"]["annotations"]["checksum/config"]
+        )
         assert c["image"].endswith(":" + (values["image"]["tag"] or VERSION)), c["image"]
 
     # The head trains nothing and tells the driver which RayJob to report progress to.
@@ -222,40 +254,87 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
 def test_training_yaml_keeps_floats_floats():
     """Go writes 1e-07 for small floats, which YAML 1.1 readers (PyYAML, so the app) take for a string;
     the chart writes 1.0e-07. Checked where no schema type would coerce it back: the deepspeed block."""
-    objects = render(set_json=['training.deepspeed.scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-7, '
-                               '"warmup_max_lr": 0.00002, "warmup_num_steps": 1000000}}',
-                               "training.train.learning_rate=5e-7"])
+    objects = render(
+        set_json=[
+            'training.deepspeed.scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 1e-7, '
+            '"warmup_max_lr": 0.00002, "warmup_num_steps": 1000000}}',
+            "training.train.learning_rate=5e-7",
+        ]
+    )
     training = yaml.safe_load(config_files(objects)["training.yaml"])
     assert training["deepspeed"]["scheduler"]["params"] == {
-        "warmup_min_lr": 1e-7, "warmup_max_lr": 2e-5, "warmup_num_steps": 1000000}
+        "warmup_min_lr": 1e-7,
+        "warmup_max_lr": 2e-5,
+        "warmup_num_steps": 1000000,
+    }
     assert all(isinstance(v, float) for v in training["deepspeed"]["scheduler"]["params"].values() if v < 1)
     assert training["train"]["learning_rate"] == 5e-7
     assert isinstance(training["train"]["learning_rate"], float)
 
 
 def test_notes_say_how_to_follow_find_and_resume():
-    out = helm("install", "exp1", str(CHART), "--dry-run=client", "--set", "rayJob.clusterMode=persistent",
-                "--set", "rayJob.backoffLimit=0").stdout
+    out = helm(
+        "install",
+        "exp1",
+        str(CHART),
+        "--dry-run=client",
+        "--set",
+        "rayJob.clusterMode=persistent",
+        "--set",
+        "rayJob.backoffLimit=0",
+    ).stdout
     notes = out.split("NOTES:", 1)[1]
-    for text in ("kubectl -n default get rayjob exp1", "logs -f job/exp1", "port-forward",
-                 "/mnt/cluster_storage/exp1/final/", "helm uninstall exp1", "delete pvc exp1"):
+    for text in (
+        "kubectl -n default get rayjob exp1",
+        "logs -f job/exp1",
+        "port-forward",
+        "/mnt/cluster_storage/exp1/final/",
+        "helm uninstall exp1",
+        "delete pvc exp1",
+    ):
         assert text in notes, text
 
 
 VARIANTS = {
     "existing-claim": (["storage.create=false", "storage.existingClaim=team-checkpoints"], {}),
-    "persistent-http": (["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode", "rayJob.backoffLimit=0"],
-                        {}),
-    "sidecar-suspended-queue": (["rayJob.submissionMode=SidecarMode", "rayJob.suspend=true",
-                                 "rayJob.queueName=gpu-queue", "rayJob.activeDeadlineSeconds=3600"], {}),
-    "no-rbac-no-auth": (["progressReporting.rbac.create=false", "head.serviceAccountName=ml-runner",
-                         "auth.mode=disabled", "auth.allowDisabled=true"], {}),
-    "autoscaling-groups": (["autoscaling.enabled=true", "workers.gpu.maxReplicas=4", "workers.gpu.minReplicas=1"],
-                           {"workers.big": {"replicas": 1, "maxReplicas": 1, "numOfHosts": 2, "gpus": 4,
-                                            "gpuResource": "amd.com/gpu", "image": {"tag": "0.1.0-rocm"}},
-                            "ncclEnv": {"NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": 1},
-                            "huggingface": {"tokenSecret": {"name": "hf", "key": "token"}},
-                            "storage.storageClassName": "nfs-rwx"}),
+    "persistent-http": (
+        ["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode", "rayJob.backoffLimit=0"],
+        {},
+    ),
+    "sidecar-suspended-queue": (
+        [
+            "rayJob.submissionMode=SidecarMode",
+            "rayJob.suspend=true",
+            "rayJob.queueName=gpu-queue",
+            "rayJob.activeDeadlineSeconds=3600",
+        ],
+        {},
+    ),
+    "no-rbac-no-auth": (
+        [
+            "progressReporting.rbac.create=false",
+            "head.serviceAccountName=ml-runner",
+            "auth.mode=disabled",
+            "auth.allowDisabled=true",
+        ],
+        {},
+    ),
+    "autoscaling-groups": (
+        ["autoscaling.enabled=true", "workers.gpu.maxReplicas=4", "workers.gpu.minReplicas=1"],
+        {
+            "workers.big": {
+                "replicas": 1,
+                "maxReplicas": 1,
+                "numOfHosts": 2,
+                "gpus": 4,
+                "gpuResource": "amd.com/gpu",
+                "image": {"tag": "0.1.0-rocm"},
+            },
+            "ncclEnv": {"NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": 1},
+            "huggingface": {"tokenSecret": {"name": "hf", "key": "token"}},
+            "storage.storageClassName": "nfs-rwx",
+        },
+    ),
 }
 
 
@@ -269,7 +348,11 @@ def test_variants_render_and_validate(case, tmp_path):
     if case == "existing-claim":
         assert not by_kind(objects, "PersistentVolumeClaim")
         for role, tpl in templates.items():
-            claims = [v["persistentVolumeClaim"]["claimName"] for v in tpl["spec"].get("volumes", []) if "persistentVolumeClaim" in v]
+            claims = [
+                v["persistentVolumeClaim"]["claimName"]
+                for v in tpl["spec"].get("volumes", [])
+                if "persistentVolumeClaim" in v
+            ]
             assert claims == ([] if role == "submitter" else ["team-checkpoints"])
     elif case == "persistent-http":
         cluster = one(objects, "RayCluster")
@@ -315,29 +398,45 @@ BAD_VALUES = {
     "workers-over-gpus": ({"training": {"scaling": {"num_workers": 5}}}, "training.scaling.num_workers: 5"),
     "cpus-per-worker": ({"training": {"scaling": {"cpus_per_worker": 12.0}}}, "training.scaling.cpus_per_worker: 12"),
     "no-gpus": ({"workers": {"gpu": {"gpus": 0}}}, "workers: the worker groups provide no GPUs"),
-    "bf16-and-fp16": ({"training": {"deepspeed": {"bf16": {"enabled": True}, "fp16": {"enabled": True}}}},
-                      "/training/deepspeed/fp16/enabled"),
-    "precision-contradiction": ({"training": {"deepspeed": {"bf16": {"enabled": False}, "fp16": {"enabled": True}}}},
-                                "/training/deepspeed/fp16/enabled"),
+    "bf16-and-fp16": (
+        {"training": {"deepspeed": {"bf16": {"enabled": True}, "fp16": {"enabled": True}}}},
+        "/training/deepspeed/fp16/enabled",
+    ),
+    "precision-contradiction": (
+        {"training": {"deepspeed": {"bf16": {"enabled": False}, "fp16": {"enabled": True}}}},
+        "/training/deepspeed/fp16/enabled",
+    ),
     "batch-arithmetic": ({"training": {"deepspeed": {"train_batch_size": 8}}}, "training.deepspeed.train_batch_size"),
-    "offload-at-top-level": ({"training": {"deepspeed": {"offload_optimizer": {"device": "cpu"}}}},
-                             "/training/deepspeed/offload_optimizer"),
-    "zero-stage": ({"training": {"deepspeed": {"zero_optimization": {"stage": 4}}}},
-                   "/training/deepspeed/zero_optimization/stage"),
-    "leaf-module-not-a-mapping": ({"training": {"deepspeed": {"zero_optimization": {"leaf_module": "LlamaDecoderLayer"}}}},
-                                  "/training/deepspeed/zero_optimization/leaf_module"),
+    "offload-at-top-level": (
+        {"training": {"deepspeed": {"offload_optimizer": {"device": "cpu"}}}},
+        "/training/deepspeed/offload_optimizer",
+    ),
+    "zero-stage": (
+        {"training": {"deepspeed": {"zero_optimization": {"stage": 4}}}},
+        "/training/deepspeed/zero_optimization/stage",
+    ),
+    "leaf-module-not-a-mapping": (
+        {"training": {"deepspeed": {"zero_optimization": {"leaf_module": "LlamaDecoderLayer"}}}},
+        "/training/deepspeed/zero_optimization/leaf_module",
+    ),
     "claim-and-create": ({"storage": {"existingClaim": "shared"}}, "storage.existingClaim"),
     "no-storage": ({"storage": {"create": False}}, "storage.create"),
-    "storage-path-off-volume": ({"training": {"experiment": {"storage_path": "/data"}}},
-                                "training.experiment.storage_path"),
-    "gpus-in-resources": ({"workers": {"gpu": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
-                          "workers.gpu.resources.limits.nvidia.com/gpu"),
+    "storage-path-off-volume": (
+        {"training": {"experiment": {"storage_path": "/data"}}},
+        "training.experiment.storage_path",
+    ),
+    "gpus-in-resources": (
+        {"workers": {"gpu": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}},
+        "workers.gpu.resources.limits.nvidia.com/gpu",
+    ),
     "token-in-values": ({"huggingface": {"token": "hf_abc"}}, "'token' not allowed"),
     "ttl-without-shutdown": ({"rayJob": {"shutdownAfterJobFinishes": False}}, "rayJob.ttlSecondsAfterFinished"),
     "suspend-persistent": ({"rayJob": {"clusterMode": "persistent", "suspend": True}}, "rayJob.suspend"),
     "eval-both": ({"training": {"data": {"eval_split": "test", "eval_fraction": 0.1}}}, "/training/data/eval_fraction"),
-    "backoff-persistent": ({"rayJob": {"clusterMode": "persistent", "submissionMode": "HTTPMode"}},
-                           "rayJob.backoffLimit: 2 with rayJob.clusterMode=persistent"),
+    "backoff-persistent": (
+        {"rayJob": {"clusterMode": "persistent", "submissionMode": "HTTPMode"}},
+        "rayJob.backoffLimit: 2 with rayJob.clusterMode=persistent",
+    ),
     "claim-on-config": ({"storage": {"mountPath": "/etc/finetune"}}, 'storage.mountPath: "/etc/finetune" collides'),
     "claim-on-shm": ({"storage": {"mountPath": "/dev/shm/"}}, 'storage.mountPath: "/dev/shm/" collides'),
     "claim-on-root": ({"storage": {"mountPath": "/"}}, 'storage.mountPath: "/" collides'),
@@ -345,15 +444,21 @@ BAD_VALUES = {
     "claim-in-ray-logs": ({"storage": {"mountPath": "/tmp/ray/ckpt"}}, 'storage.mountPath: "/tmp/ray/ckpt" collides'),
     "bad-quantity": ({"storage": {"size": "lots"}}, "/storage/size"),
     "bad-nccl-env": ({"ncclEnv": {"DEBUG": "INFO"}}, "ncclEnv.DEBUG"),
-    "rwo-many-pods": ({"storage": {"accessModes": ["ReadWriteOnce"]}},
-                      "storage.accessModes: [ReadWriteOnce], but the head and 2 worker pods (3 in all)"),
-    "rwop-many-pods": ({"storage": {"accessModes": ["ReadWriteOncePod"]}, "workers": {"gpu": {"replicas": 4}}},
-                       "the head and 4 worker pods (5 in all)"),
+    "rwo-many-pods": (
+        {"storage": {"accessModes": ["ReadWriteOnce"]}},
+        "storage.accessModes: [ReadWriteOnce], but the head and 2 worker pods (3 in all)",
+    ),
+    "rwop-many-pods": (
+        {"storage": {"accessModes": ["ReadWriteOncePod"]}, "workers": {"gpu": {"replicas": 4}}},
+        "the head and 4 worker pods (5 in all)",
+    ),
     "auth-disabled-unacknowledged": ({"auth": {"mode": "disabled"}}, "auth.mode: disabled lets anything"),
-    "digest-as-tag": ({"image": {"tag": "sha256:" + "ab" * 32}}, "image.tag: \"sha256:abab"),
-    "group-digest-as-tag": ({"workers": {"gpu": {"image": {"tag": "sha256:" + "ab" * 32}}}},
-                            "Fix: --set workers.gpu.image.digest=sha256:"),
-    "tag-with-colon": ({"head": {"image": {"tag": "0.1:x"}}}, "head.image.tag: \"0.1:x\" is not a valid image tag"),
+    "digest-as-tag": ({"image": {"tag": "sha256:" + "ab" * 32}}, 'image.tag: "sha256:abab'),
+    "group-digest-as-tag": (
+        {"workers": {"gpu": {"image": {"tag": "sha256:" + "ab" * 32}}}},
+        "Fix: --set workers.gpu.image.digest=sha256:",
+    ),
+    "tag-with-colon": ({"head": {"image": {"tag": "0.1:x"}}}, 'head.image.tag: "0.1:x" is not a valid image tag'),
     "short-digest": ({"image": {"digest": "sha256:abc"}}, "/image/digest"),
 }
 
@@ -378,20 +483,52 @@ def test_release_name_as_experiment_name_is_checked():
 DS_CASES = {
     **{f"example-{p.stem}": ([p], [], []) for p in EXAMPLE_VALUES},
     "defaults": ([], [], []),
-    "two-groups-arithmetic": ([], ["training.train.micro_batch_size=3", "training.train.gradient_accumulation_steps=5",
-                                   "workers.gpu.replicas=2", "workers.gpu.gpus=4"],
-                              ['workers.extra={"replicas": 1, "gpus": 2}']),
-    "explicit-workers-fp16-stage2": ([], ["training.scaling.num_workers=3", "training.train.precision=fp16",
-                                          "training.train.micro_batch_size=2", "workers.gpu.replicas=4",
-                                          "training.deepspeed.zero_optimization.stage=2"], []),
-    "fp32-optimizer-autos": ([], ["training.train.precision=fp32", "training.train.gradient_accumulation_steps=4",
-                                  "training.deepspeed.train_batch_size=8"],
-                             ['training.deepspeed.optimizer={"type": "AdamW", "params": {"lr": "auto", '
-                              '"betas": "auto", "eps": "auto", "weight_decay": "auto"}}',
-                              "training.train.learning_rate=0.0003", "training.train.weight_decay=0.01",
-                              "training.deepspeed.grad_accum_dtype=\"auto\""]),
-    "cpu-workers": ([], ["training.scaling.use_gpu=false", "workers.gpu.gpus=0", "workers.gpu.replicas=3",
-                         "training.deepspeed.zero_optimization.stage=1"], []),
+    "two-groups-arithmetic": (
+        [],
+        [
+            "training.train.micro_batch_size=3",
+            "training.train.gradient_accumulation_steps=5",
+            "workers.gpu.replicas=2",
+            "workers.gpu.gpus=4",
+        ],
+        ['workers.extra={"replicas": 1, "gpus": 2}'],
+    ),
+    "explicit-workers-fp16-stage2": (
+        [],
+        [
+            "training.scaling.num_workers=3",
+            "training.train.precision=fp16",
+            "training.train.micro_batch_size=2",
+            "workers.gpu.replicas=4",
+            "training.deepspeed.zero_optimization.stage=2",
+        ],
+        [],
+    ),
+    "fp32-optimizer-autos": (
+        [],
+        [
+            "training.train.precision=fp32",
+            "training.train.gradient_accumulation_steps=4",
+            "training.deepspeed.train_batch_size=8",
+        ],
+        [
+            'training.deepspeed.optimizer={"type": "AdamW", "params": {"lr": "auto", '
+            '"betas": "auto", "eps": "auto", "weight_decay": "auto"}}',
+            "training.train.learning_rate=0.0003",
+            "training.train.weight_decay=0.01",
+            'training.deepspeed.grad_accum_dtype="auto"',
+        ],
+    ),
+    "cpu-workers": (
+        [],
+        [
+            "training.scaling.use_gpu=false",
+            "workers.gpu.gpus=0",
+            "workers.gpu.replicas=3",
+            "training.deepspeed.zero_optimization.stage=1",
+        ],
+        [],
+    ),
 }
 
 
@@ -405,8 +542,11 @@ def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
         return []
     folder = tmp_path / "volume" / model.removeprefix(mount + "/")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
-                                                    "n_positions": 128, "vocab_size": 1000}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 128, "vocab_size": 1000}
+        )
+    )
     return ["--set", f"model.name_or_path={folder}"]
 
 
@@ -434,10 +574,22 @@ def test_app_resolves_what_the_chart_renders(tmp_path):
         "    out[case] = [rc, buf.getvalue()]\n"
         "print('RESULT' + json.dumps(out))\n"
     )
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    env = {
+        **os.environ,
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        "DS_ACCELERATOR": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.split("RESULT", 1)[1])
     resolved = {}

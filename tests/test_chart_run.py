@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from conftest import CLI_ENV, CORPUS
 from k8s_support import K8S, container, one, parse, pod_templates, render, tool
 
@@ -123,17 +122,40 @@ def run_job(head: LocalHead, cwd: Path, cluster: str, extra: list[str] = ()) -> 
             temp = Path(tempfile.mkdtemp(prefix="rf-", dir="/tmp"))
             log = (cwd / "ray-start.log").open("w")
             ray_proc = subprocess.Popen(
-                [tool("ray"), "start", "--head", "--block", f"--port={port}", "--num-cpus=4", "--num-gpus=0",
-                 "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats",
-                 # Every port of its own: other Ray clusters may run on this machine at the same time.
-                 *(f"--{flag}={free_port()}" for flag in (
-                     "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port",
-                     "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port"))],
-                env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    tool("ray"),
+                    "start",
+                    "--head",
+                    "--block",
+                    f"--port={port}",
+                    "--num-cpus=4",
+                    "--num-gpus=0",
+                    "--include-dashboard=false",
+                    f"--temp-dir={temp}",
+                    "--disable-usage-stats",
+                    # Every port of its own: other Ray clusters may run on this machine at the same time.
+                    *(
+                        f"--{flag}={free_port()}"
+                        for flag in (
+                            "ray-client-server-port",
+                            "dashboard-port",
+                            "dashboard-agent-listen-port",
+                            "dashboard-agent-grpc-port",
+                            "metrics-export-port",
+                            "runtime-env-agent-port",
+                        )
+                    ),
+                ],
+                env=env,
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
             deadline = time.time() + 180
-            while subprocess.run([tool("ray"), "status", f"--address=127.0.0.1:{port}"], env=env, capture_output=True,
-                                 timeout=120).returncode:
+            while subprocess.run(
+                [tool("ray"), "status", f"--address=127.0.0.1:{port}"], env=env, capture_output=True, timeout=120
+            ).returncode:
                 assert ray_proc.poll() is None and time.time() < deadline, (cwd / "ray-start.log").read_text()[-3000:]
                 time.sleep(2)
         return subprocess.run(command, shell=True, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
@@ -150,8 +172,9 @@ def run_job(head: LocalHead, cwd: Path, cluster: str, extra: list[str] = ()) -> 
             shutil.rmtree(temp, ignore_errors=True)
 
 
-def assert_trains_then_resumes(first: subprocess.CompletedProcess, second: subprocess.CompletedProcess,
-                               storage: Path, name: str) -> None:
+def assert_trains_then_resumes(
+    first: subprocess.CompletedProcess, second: subprocess.CompletedProcess, storage: Path, name: str
+) -> None:
     log1 = first.stdout + first.stderr
     assert first.returncode == 0, log1[-6000:]
     assert "from scratch" in log1 and "resumed from" not in log1, log1[-4000:]
@@ -163,11 +186,14 @@ def assert_trains_then_resumes(first: subprocess.CompletedProcess, second: subpr
     assert f"done: {name} at global step 8" in log2, log2[-3000:]
 
 
-@pytest.mark.parametrize("source, cluster, workers", [
-    ("chart", "embedded", 1),
-    pytest.param("chart", "ray-start", 2, marks=pytest.mark.slow),
-    pytest.param("k8s", "embedded", 2, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "source, cluster, workers",
+    [
+        ("chart", "embedded", 1),
+        pytest.param("chart", "ray-start", 2, marks=pytest.mark.slow),
+        pytest.param("k8s", "embedded", 2, marks=pytest.mark.slow),
+    ],
+)
 def test_rendered_job_trains_and_resumes(source, cluster, workers, tiny_model, tmp_path):
     """chart: `helm template` with the tiny model in values; k8s: k8s/ as committed (kubectl kustomize),
     its entrypoint with the tiny model's --set overrides appended (its ConfigMap holds the chart defaults)."""
@@ -183,8 +209,8 @@ def test_rendered_job_trains_and_resumes(source, cluster, workers, tiny_model, t
         out = subprocess.run([tool("kubectl"), "kustomize", str(K8S)], capture_output=True, text=True, check=True)
         return LocalHead(parse(out.stdout), tmp_path / "pod", storage), tiny_sets(tiny_model, tiny, **train)
 
-    head, extra = deploy(stop_after_steps=4)      # stops after step 4's checkpoint, as a preemption would
+    head, extra = deploy(stop_after_steps=4)  # stops after step 4's checkpoint, as a preemption would
     first = run_job(head, tmp_path, cluster, extra)
-    head, extra = deploy()                        # deployed again under the same name
+    head, extra = deploy()  # deployed again under the same name
     second = run_job(head, tmp_path, cluster, extra)
     assert_trains_then_resumes(first, second, storage, head.job["metadata"]["name"])

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 
 import yaml
-
 from k8s_support import EXAMPLE_VALUES, K8S, REPO, one, render, tool
 from test_security import as_created
 
@@ -24,9 +23,15 @@ def write_inputs(folder) -> None:
         objects = render(values)
         (folder / f"chart-{stem}.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
         name = one(objects, "RayJob")["metadata"]["name"]
-        pods = [{"apiVersion": "v1", "kind": "Pod",
-                 "metadata": {**tpl.get("metadata", {}), "name": re.sub(r"[^a-z0-9-]", "-", f"{name}-{role}")},
-                 "spec": tpl["spec"]} for role, tpl in as_created(objects).items()]
+        pods = [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {**tpl.get("metadata", {}), "name": re.sub(r"[^a-z0-9-]", "-", f"{name}-{role}")},
+                "spec": tpl["spec"],
+            }
+            for role, tpl in as_created(objects).items()
+        ]
         (folder / f"pods-{stem}.yaml").write_text(yaml.safe_dump_all(pods, sort_keys=False))
     shutil.copytree(K8S, folder / "k8s")
     shutil.copy(REPO / "Dockerfile", folder / "Dockerfile")
@@ -37,9 +42,25 @@ def test_checkov_fails_only_the_accepted_checks(tmp_path):
     inputs.mkdir()
     write_inputs(inputs)
     # --skip-download: no calls to Prisma Cloud (the CI machines have no network); one process for everything.
-    proc = subprocess.run([tool("checkov"), "--directory", str(inputs), "--framework", "kubernetes", "dockerfile",
-                           "--output", "json", "--compact", "--quiet", "--skip-download"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            tool("checkov"),
+            "--directory",
+            str(inputs),
+            "--framework",
+            "kubernetes",
+            "dockerfile",
+            "--output",
+            "json",
+            "--compact",
+            "--quiet",
+            "--skip-download",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode in (0, 1) and proc.stdout.strip(), proc.stderr[-3000:]
     reports = json.loads(proc.stdout)
     reports = reports if isinstance(reports, list) else [reports]
@@ -53,8 +74,10 @@ def test_checkov_fails_only_the_accepted_checks(tmp_path):
             failed.setdefault(check["check_id"], set()).add(where)
     accepted = yaml.safe_load(ACCEPTED.read_text())
     unexpected = {k: sorted(v)[:5] for k, v in failed.items() if k not in accepted}
-    assert not unexpected, f"checkov checks failing that {ACCEPTED.name} does not list (fix, or list with a reason):\n" \
+    assert not unexpected, (
+        f"checkov checks failing that {ACCEPTED.name} does not list (fix, or list with a reason):\n"
         + yaml.safe_dump(unexpected)
+    )
     stale = sorted(set(accepted) - set(failed))
     assert not stale, f"{ACCEPTED.name} lists checks that pass now: delete them: {stale}"
     for check_id, entry in accepted.items():

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
+from app import ds_config
 from app.cli import main
 from app.config import load, parse
-from app import ds_config
-from conftest import run_cli
 
 
 def snapshot(folder: Path) -> list[tuple[str, float]]:
@@ -26,20 +26,39 @@ def storage(tmp_path) -> Path:
 
 
 def base_args(storage: Path, model: Path) -> list[str]:
-    return ["--set", f"experiment.storage_path={storage}", "--set", "experiment.name=exp1",
-            "--set", f"model.name_or_path={model}", "--set", "scaling.use_gpu=false", "--set", "data.seq_length=64"]
+    return [
+        "--set",
+        f"experiment.storage_path={storage}",
+        "--set",
+        "experiment.name=exp1",
+        "--set",
+        f"model.name_or_path={model}",
+        "--set",
+        "scaling.use_gpu=false",
+        "--set",
+        "data.seq_length=64",
+    ]
 
 
 BAD = {
     "unknown key": (["train.learning_rat=1e-4"], "train.learning_rat: unknown key", "did you mean 'learning_rate'"),
     "unknown section": (["trian.epochs=2"], "trian: unknown key", "did you mean 'train'"),
-    "bf16 and fp16": (["deepspeed.bf16.enabled=true", "deepspeed.fp16.enabled=true"], "deepspeed.bf16.enabled", "both enabled"),
+    "bf16 and fp16": (
+        ["deepspeed.bf16.enabled=true", "deepspeed.fp16.enabled=true"],
+        "deepspeed.bf16.enabled",
+        "both enabled",
+    ),
     "zero stage": (["deepspeed.zero_optimization.stage=5"], "deepspeed.zero_optimization.stage", "0, 1, 2 or 3"),
     "offload_param below stage 3": (
         ["deepspeed.zero_optimization.stage=2", "deepspeed.zero_optimization.offload_param={device: cpu}"],
-        "deepspeed.zero_optimization.offload_param", "needs ZeRO stage 3"),
-    "top-level offload": (["deepspeed.offload_optimizer={device: cpu}"], "deepspeed.offload_optimizer",
-                          "move it to deepspeed.zero_optimization.offload_optimizer"),
+        "deepspeed.zero_optimization.offload_param",
+        "needs ZeRO stage 3",
+    ),
+    "top-level offload": (
+        ["deepspeed.offload_optimizer={device: cpu}"],
+        "deepspeed.offload_optimizer",
+        "move it to deepspeed.zero_optimization.offload_optimizer",
+    ),
     "train_batch_size": (["deepspeed.train_batch_size=7"], "deepspeed.train_batch_size", "= 2"),
     "seq_length above context": (["data.seq_length=1024"], "data.seq_length", "context of 256"),
     "name not DNS-1035": (["experiment.name=My_Exp"], "experiment.name", "DNS-1035"),
@@ -49,14 +68,31 @@ BAD = {
     "literal": (["train.precision=fp8"], "train.precision", "one of the listed values"),
     "null switch": (["model.fp8=null"], "model.fp8", "use true or false"),
     "null count": (["train.epochs=null"], "train.epochs", "use a whole number"),
-    "storage under a file": (["experiment.storage_path={storage}/someone-elses-file/sub"], "experiment.storage_path", "not a folder"),
-    "leaf_module not a mapping": (["deepspeed.zero_optimization.leaf_module=GPT2Block"],
-                                  "deepspeed.zero_optimization.leaf_module", "{classes: auto}"),
-    "compile with Liger on ZeRO-3": (["model.compile=true", "model.liger_kernels=true"], "model.compile",
-                                     "model.liger_kernels=false"),
-    "fp8 inside model.compile": (["model.fp8=true", "model.compile=true", "model.liger_kernels=false"], "model.fp8",
-                                 "set model.compile=false, or model.fp8=false"),
-    "storage not writable": (["experiment.storage_path=/sys/finetune-storage"], "experiment.storage_path", "not writable"),
+    "storage under a file": (
+        ["experiment.storage_path={storage}/someone-elses-file/sub"],
+        "experiment.storage_path",
+        "not a folder",
+    ),
+    "leaf_module not a mapping": (
+        ["deepspeed.zero_optimization.leaf_module=GPT2Block"],
+        "deepspeed.zero_optimization.leaf_module",
+        "{classes: auto}",
+    ),
+    "compile with Liger on ZeRO-3": (
+        ["model.compile=true", "model.liger_kernels=true"],
+        "model.compile",
+        "model.liger_kernels=false",
+    ),
+    "fp8 inside model.compile": (
+        ["model.fp8=true", "model.compile=true", "model.liger_kernels=false"],
+        "model.fp8",
+        "set model.compile=false, or model.fp8=false",
+    ),
+    "storage not writable": (
+        ["experiment.storage_path=/sys/finetune-storage"],
+        "experiment.storage_path",
+        "not writable",
+    ),
     "fp8 on GPT-2's Conv1D": (["model.fp8=true"], "model.fp8", "set model.fp8=false"),  # the meta-device model
     "Liger required on CPUs": (["model.liger_kernels=true"], "model.liger_kernels", "auto (GPUs only) or false"),
 }
@@ -85,8 +121,13 @@ def test_ray_starts_only_for_a_valid_config_while_the_model_is_counted(storage, 
     from app import driver
     from app.config import ConfigError
 
-    sets = [f"experiment.storage_path={storage}", "experiment.name=exp1", f"model.name_or_path={tiny_model}",
-            "scaling.use_gpu=false", "data.seq_length=64"]
+    sets = [
+        f"experiment.storage_path={storage}",
+        "experiment.name=exp1",
+        f"model.name_or_path={tiny_model}",
+        "scaling.use_gpu=false",
+        "data.seq_length=64",
+    ]
     started = []
     ds_plain, _ = driver.check(load(None, sets))
     ds_overlap, _ = driver.check(load(None, sets), meanwhile=lambda: started.append("valid"))
@@ -100,7 +141,9 @@ def test_ray_starts_only_for_a_valid_config_while_the_model_is_counted(storage, 
 def test_console_script_exit_code_and_single_line(storage, tiny_model):
     result = run_cli("train", *base_args(storage, tiny_model), "--set", "deepspeed.zero_optimization.stage=7")
     assert result.returncode == 2
-    assert result.stderr.strip().startswith("error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2 or 3 (got 7)")
+    assert result.stderr.strip().startswith(
+        "error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2 or 3 (got 7)"
+    )
     assert "Traceback" not in result.stderr
     assert snapshot(storage) == [("someone-elses-file", (storage / "someone-elses-file").stat().st_mtime)]
 
@@ -108,13 +151,25 @@ def test_console_script_exit_code_and_single_line(storage, tiny_model):
 def test_several_problems_reported_together(storage, tiny_model, capsys):
     """Problems of shape (the typed models, the deepspeed block's included) come together from parsing; the
     problems that need the model, the data or the volume come together from the checks after it."""
-    args = base_args(storage, tiny_model) + ["--set", "deepspeed.zero_optimization.stage=9", "--set", "deepspeed.offload_param={}",
-                                             "--set", "train.epochs=many"]
+    args = base_args(storage, tiny_model) + [
+        "--set",
+        "deepspeed.zero_optimization.stage=9",
+        "--set",
+        "deepspeed.offload_param={}",
+        "--set",
+        "train.epochs=many",
+    ]
     assert main(["validate", *args]) == 2
     err = capsys.readouterr().err
     assert "deepspeed.offload_param" in err and "zero_optimization.stage" in err and "train.epochs" in err
-    args = base_args(storage, tiny_model) + ["--set", "deepspeed.train_batch_size=7", "--set", "deepspeed.fp16.enabled=true",
-                                             "--set", "data.seq_length=4096"]
+    args = base_args(storage, tiny_model) + [
+        "--set",
+        "deepspeed.train_batch_size=7",
+        "--set",
+        "deepspeed.fp16.enabled=true",
+        "--set",
+        "data.seq_length=4096",
+    ]
     assert main(["validate", *args]) == 2
     err = capsys.readouterr().err
     assert "deepspeed.train_batch_size" in err and "deepspeed.fp16.enabled" in err and "data.seq_length" in err
@@ -155,8 +210,14 @@ def test_defaults_reproduce_the_tutorial():
 
 
 def test_generated_name_is_a_valid_kubernetes_name_and_printed(storage, tiny_model, capsys):
-    args = ["--set", f"experiment.storage_path={storage}", "--set", f"model.name_or_path={tiny_model}",
-            "--set", "data.seq_length=128"]
+    args = [
+        "--set",
+        f"experiment.storage_path={storage}",
+        "--set",
+        f"model.name_or_path={tiny_model}",
+        "--set",
+        "data.seq_length=128",
+    ]
     assert main(["validate", *args]) == 0
     out = capsys.readouterr().out
     name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("name:"))
@@ -164,9 +225,18 @@ def test_generated_name_is_a_valid_kubernetes_name_and_printed(storage, tiny_mod
 
 
 def test_auto_values_follow_the_other_sections():
-    cfg = parse({"train": {"micro_batch_size": 4, "gradient_accumulation_steps": 3, "max_grad_norm": 0.5, "precision": "fp16"},
-                 "scaling": {"num_workers": 8},
-                 "deepspeed": {"zero_optimization": {"stage": 2}}})
+    cfg = parse(
+        {
+            "train": {
+                "micro_batch_size": 4,
+                "gradient_accumulation_steps": 3,
+                "max_grad_norm": 0.5,
+                "precision": "fp16",
+            },
+            "scaling": {"num_workers": 8},
+            "deepspeed": {"zero_optimization": {"stage": 2}},
+        }
+    )
     ds = ds_config.build(cfg, hidden_size=2048)
     assert ds["train_batch_size"] == 96 and ds["gradient_clipping"] == 0.5
     assert ds["fp16"]["enabled"] is True and ds["bf16"]["enabled"] is False and ds["grad_accum_dtype"] == "fp16"
@@ -181,8 +251,14 @@ def test_auto_values_follow_the_other_sections():
 def test_set_override_parses_yaml_values(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  epochs: 1\n")
-    cfg = load(path, ["train.epochs=3", "deepspeed.zero_optimization.offload_optimizer={device: cpu, pin_memory: true}",
-                      "data.packing=false"])
+    cfg = load(
+        path,
+        [
+            "train.epochs=3",
+            "deepspeed.zero_optimization.offload_optimizer={device: cpu, pin_memory: true}",
+            "data.packing=false",
+        ],
+    )
     assert cfg.train.epochs == 3 and cfg.data.packing is False
     block = cfg.deepspeed.to_dict()
     assert block["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}  # passed through
@@ -200,12 +276,20 @@ def test_validate_prints_resolved_config_and_ds_json(tiny_model, storage, capsys
     assert ds["zero_optimization"]["leaf_module"] == {"classes": ["GPT2Block"]}
 
 
-@pytest.mark.parametrize("sets, expected", [
-    (["deepspeed.zero_optimization.stage=2"], None),  # a ZeRO-3 knob only
-    (["deepspeed.zero_optimization.leaf_module={classes: [GPT2MLP]}"], {"classes": ["GPT2MLP"]}),  # the user's choice
-    (["deepspeed.zero_optimization.leaf_module={names: [transformer.h.0]}"],
-     {"classes": ["GPT2Block"], "names": ["transformer.h.0"]}),  # merged over the default "auto"
-])
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (["deepspeed.zero_optimization.stage=2"], None),  # a ZeRO-3 knob only
+        (
+            ["deepspeed.zero_optimization.leaf_module={classes: [GPT2MLP]}"],
+            {"classes": ["GPT2MLP"]},
+        ),  # the user's choice
+        (
+            ["deepspeed.zero_optimization.leaf_module={names: [transformer.h.0]}"],
+            {"classes": ["GPT2Block"], "names": ["transformer.h.0"]},
+        ),  # merged over the default "auto"
+    ],
+)
 def test_leaf_module_auto_rule(sets, expected, tiny_model, storage, capsys):
     args = base_args(storage, tiny_model)
     for s in sets:
@@ -220,7 +304,9 @@ def test_leaf_classes_from_the_model_shape():
 
     from app.model import zero3_leaf_layers
 
-    llama = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000)
+    llama = LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000
+    )
     per_layer = 4 * 256 * 256 + 3 * 256 * 512 + 2 * 256  # attention, MLP, two norms
     assert zero3_leaf_layers(llama) == (["LlamaDecoderLayer"], per_layer)
     # A layer over DeepSpeed's 1e9-parameter leaf cap (Mixtral 8x7B's) is left to DeepSpeed's own hooks.
@@ -234,11 +320,15 @@ def test_leaf_classes_from_the_model_shape():
     assert ds["zero_optimization"]["leaf_module"] == {"classes": ["LlamaDecoderLayer"]}
     # Set by hand, the bucket is the user's.
     cfg = parse({"deepspeed": {"zero_optimization": {"stage3_prefetch_bucket_size": 1000}}})
-    assert ds_config.build(cfg, **ds_config.model_facts(cfg, llama))["zero_optimization"]["stage3_prefetch_bucket_size"] == 1000
+    assert (
+        ds_config.build(cfg, **ds_config.model_facts(cfg, llama))["zero_optimization"]["stage3_prefetch_bucket_size"]
+        == 1000
+    )
 
 
-def test_a_folder_too_big_to_be_a_dataset_is_refused_without_walking_it_all(storage, tiny_model, tmp_path,
-                                                                           monkeypatch, capsys):
+def test_a_folder_too_big_to_be_a_dataset_is_refused_without_walking_it_all(
+    storage, tiny_model, tmp_path, monkeypatch, capsys
+):
     """data.dataset=/ used to make validate walk the whole disk; the walk now stops at a bound."""
     from app import data
 
@@ -259,8 +349,9 @@ def fake_checkpoint(storage: Path, step: int, world_size: int, **state) -> Path:
     folder = storage / "exp1" / "checkpoints" / f"step-{step:08d}"
     (folder / "ds").mkdir(parents=True)
     (folder / "ds" / "a.bin").write_bytes(b"x" * 10)
-    (folder / "trainer_state.json").write_text(json.dumps(
-        {"global_step": step, "world_size": world_size, "files": {"ds/a.bin": 10}, **state}))
+    (folder / "trainer_state.json").write_text(
+        json.dumps({"global_step": step, "world_size": world_size, "files": {"ds/a.bin": 10}, **state})
+    )
     return folder
 
 
@@ -282,7 +373,13 @@ def test_the_resume_plan_is_applied_before_the_checks(storage, tiny_model, capsy
     import yaml
 
     fake_checkpoint(storage, 4, world_size=4, micro_batch_size=4, gradient_accumulation_steps=1)
-    args = [*base_args(storage, tiny_model), "--set", "train.micro_batch_size=4", "--set", "deepspeed.train_batch_size=16"]
+    args = [
+        *base_args(storage, tiny_model),
+        "--set",
+        "train.micro_batch_size=4",
+        "--set",
+        "deepspeed.train_batch_size=16",
+    ]
     assert main(["validate", *args]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out.split("# deepspeed config")[0])
     assert resolved["train"]["gradient_accumulation_steps"] == 2
@@ -302,7 +399,9 @@ def test_a_problem_raised_in_a_worker_reaches_the_driver_whole():
     assert (got.field, got.value, got.fix) == ("model.fp8", True, "set model.fp8=false")
     assert str(got) == "model.fp8: no FP8 tensor cores (got True). Fix: set model.fp8=false"
     both = pickle.loads(pickle.dumps(ConfigError([problem, Problem("train.epochs", 0, "must be positive")])))
-    assert [p.field for p in both.problems] == ["model.fp8", "train.epochs"] and str(both) == str(ConfigError(both.problems))
+    assert [p.field for p in both.problems] == ["model.fp8", "train.epochs"] and str(both) == str(
+        ConfigError(both.problems)
+    )
 
 
 def test_a_worker_problem_is_the_runs_error_line_and_says_deploying_unchanged_would_not_help():
@@ -332,7 +431,10 @@ def test_tiny_builds_quietly_and_refuses_bad_paths_in_one_line(tmp_path):
     out = tmp_path / "m"
     result = run_cli("tiny", "--model-dir", str(out), "--corpus", str(tmp_path / "new" / "c.jsonl"))
     assert result.returncode == 0, result.stderr
-    assert (result.stdout + result.stderr).strip().splitlines() == [f"tiny model: {out}", f"corpus: {tmp_path}/new/c.jsonl"]
+    assert (result.stdout + result.stderr).strip().splitlines() == [
+        f"tiny model: {out}",
+        f"corpus: {tmp_path}/new/c.jsonl",
+    ]
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
     for args, option in (
         (["--model-dir", str(tmp_path / "x"), "--corpus", str(tmp_path / "rows.jsonl")], "--corpus"),

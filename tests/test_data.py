@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+from conftest import CORPUS
 from transformers import AutoTokenizer
 
 from app import data
 from app.config import DataConfig
-from conftest import CORPUS
 
 
 def tokenized(tiny_model, **kw):
@@ -51,7 +51,9 @@ def test_padded_loss_equals_loss_over_real_tokens_only(tiny_model):
     row = ds[0]
     n = int(row["attention_mask"].sum())
     with torch.no_grad():
-        padded = model(input_ids=row["input_ids"][None], attention_mask=row["attention_mask"][None], labels=row["labels"][None]).loss
+        padded = model(
+            input_ids=row["input_ids"][None], attention_mask=row["attention_mask"][None], labels=row["labels"][None]
+        ).loss
         alone = model(input_ids=row["input_ids"][None, :n], labels=row["input_ids"][None, :n]).loss
     assert torch.allclose(padded, alone, atol=1e-5)
 
@@ -72,9 +74,15 @@ def test_sampler_resumes_at_the_exact_sample(tiny_model):
 
 def test_cache_key_changes_with_what_shapes_the_data():
     a = DataConfig(dataset="x", seq_length=64)
-    assert data.cache_key(a, "tok", "train", 1) == data.cache_key(DataConfig(dataset="x", seq_length=64), "tok", "train", 1)
-    assert data.cache_key(a, "tok", "train", 1) != data.cache_key(DataConfig(dataset="x", seq_length=65), "tok", "train", 1)
-    assert data.cache_key(a, "tok", "train", 1) != data.cache_key(DataConfig(dataset="x", seq_length=64, packing=False), "tok", "train", 1)
+    assert data.cache_key(a, "tok", "train", 1) == data.cache_key(
+        DataConfig(dataset="x", seq_length=64), "tok", "train", 1
+    )
+    assert data.cache_key(a, "tok", "train", 1) != data.cache_key(
+        DataConfig(dataset="x", seq_length=65), "tok", "train", 1
+    )
+    assert data.cache_key(a, "tok", "train", 1) != data.cache_key(
+        DataConfig(dataset="x", seq_length=64, packing=False), "tok", "train", 1
+    )
 
 
 def test_local_sources(tmp_path):
@@ -87,7 +95,9 @@ def test_local_sources(tmp_path):
     (tmp_path / "t.txt").write_text("one\ntwo\nthree\n")
     assert "mixed" in str(data.check_source(DataConfig(dataset=str(tmp_path), split="train"))[0])
     saved = tmp_path / "saved"
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(10)]})}).save_to_disk(str(saved))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(10)]})}).save_to_disk(
+        str(saved)
+    )
     assert len(data.load_split(DataConfig(dataset=str(saved)), "train[:30%]")) == 3
     assert "no json" in str(data.check_source(DataConfig(dataset=str(tmp_path / "nothing-*.json")))[0])
 
@@ -103,8 +113,15 @@ def test_random_init_builds_the_shape_without_its_weights(tiny_model, capsys, tm
     saved = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert fresh.config.n_embd == saved.config.n_embd
     assert not torch.equal(fresh.transformer.h[0].mlp.c_fc.weight, saved.transformer.h[0].mlp.c_fc.weight)
-    args = ["--set", f"model.name_or_path=random-init:{tiny_model}", "--set", f"experiment.storage_path={tmp_path}",
-            "--set", "data.seq_length=64", "--ds-config-only"]
+    args = [
+        "--set",
+        f"model.name_or_path=random-init:{tiny_model}",
+        "--set",
+        f"experiment.storage_path={tmp_path}",
+        "--set",
+        "data.seq_length=64",
+        "--ds-config-only",
+    ]
     assert main(["validate", *args]) == 0
     assert '"stage3_param_persistence_threshold": 640' in capsys.readouterr().out  # 10 x the hidden size, read offline
 

@@ -11,8 +11,15 @@ from app.model import load_model
 
 
 def tiny_llama(tmp_path, fp8: bool, seed: int = 0):
-    LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ).save_pretrained(tmp_path)
     torch.manual_seed(seed)
     return load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}", fp8=fp8), {}).to(torch.bfloat16)
 
@@ -38,8 +45,15 @@ def test_fp8_converts_the_decoder_linears_only(tmp_path):
 
     model = tiny_llama(tmp_path, fp8=True)
     converted = sorted(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
-    per_layer = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.o_proj",
-                 "self_attn.q_proj", "self_attn.v_proj"]
+    per_layer = [
+        "mlp.down_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "self_attn.k_proj",
+        "self_attn.o_proj",
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+    ]
     assert converted == [f"model.layers.{i}.{p}" for i in range(2) for p in per_layer]
     assert type(model.lm_head) is torch.nn.Linear  # the head stays bf16 (Liger's fused loss reads its weight)
     # Same parameters, same names: checkpoints, resume and export see the model they would see without FP8.
@@ -89,4 +103,3 @@ def test_compiled_casts_compute_what_eager_casts_compute(tmp_path):
     torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
-

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import CORPUS
 
 from app.cli import main
-from conftest import CORPUS
 
 
 def _bomb(levels: int = 10) -> str:
@@ -46,16 +46,34 @@ def jsonl(*rows) -> bytes:
 CASES = {
     # -- the config file itself
     "alias bomb": (_bomb().encode(), [], {}, ("deepspeed.lol", "fewer nested aliases")),
-    "alias bomb in --set": (None, ["deepspeed.x=[&a [1,1,1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], "
-                                   "&c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]]"], {},
-                            ("deepspeed.x", "fewer nested aliases")),
+    "alias bomb in --set": (
+        None,
+        [
+            "deepspeed.x=[&a [1,1,1,1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a], "
+            "&c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b], [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]]"
+        ],
+        {},
+        ("deepspeed.x", "fewer nested aliases"),
+    ),
     "self-referencing anchor": (b"deepspeed: &a\n  x: *a\n", [], {}, ("deepspeed.x", "self-referencing")),
-    "duplicate key": (b"train:\n  learning_rate: 1.0e-4\n  learning_rate: 2.0e-4\n", [], {},
-                      ("train.learning_rate", "remove one of them")),
-    "duplicate section": (b"train:\n  epochs: 1\ndata:\n  seq_length: 64\ntrain:\n  epochs: 2\n", [], {},
-                          ("train", "lines 1 and 5")),
-    "latin-1 file": ("train:\n  epochs: 1\n# caf\u00e9 r\u00e9sum\u00e9\n".encode("latin-1"), [], {},
-                     ("CONFIG", "save it as UTF-8")),
+    "duplicate key": (
+        b"train:\n  learning_rate: 1.0e-4\n  learning_rate: 2.0e-4\n",
+        [],
+        {},
+        ("train.learning_rate", "remove one of them"),
+    ),
+    "duplicate section": (
+        b"train:\n  epochs: 1\ndata:\n  seq_length: 64\ntrain:\n  epochs: 2\n",
+        [],
+        {},
+        ("train", "lines 1 and 5"),
+    ),
+    "latin-1 file": (
+        "train:\n  epochs: 1\n# caf\u00e9 r\u00e9sum\u00e9\n".encode("latin-1"),
+        [],
+        {},
+        ("CONFIG", "save it as UTF-8"),
+    ),
     "empty file": (b"", [], {}, ("CONFIG", "leave out the file argument")),
     "only comments": (b"# todo\n\n", [], {}, ("CONFIG", "leave out the file argument")),
     "huge file": (b"train:\n  epochs: 1\n" + b"#" * (1 << 20) + b"\n", [], {}, ("CONFIG", "not a data or model file")),
@@ -67,11 +85,19 @@ CASES = {
     "learning_rate 50": (None, ["train.learning_rate=50"], {}, ("train.learning_rate", "within that bound")),
     "max_grad_norm .inf": (None, ["train.max_grad_norm=.inf"], {}, ("train.max_grad_norm", "finite number")),
     "lease_timeout_s .inf": (None, ["experiment.lease_timeout_s=.inf"], {}, ("experiment.lease_timeout_s", "finite")),
-    "micro_batch_size 1e12": (b"train:\n  micro_batch_size: 1e12\n", [], {},
-                              ("train.micro_batch_size", "whole number")),
+    "micro_batch_size 1e12": (
+        b"train:\n  micro_batch_size: 1e12\n",
+        [],
+        {},
+        ("train.micro_batch_size", "whole number"),
+    ),
     "micro_batch_size 1.0e+12": (None, ["train.micro_batch_size=1.0e+12"], {}, ("train.micro_batch_size", "bound")),
-    "gradient_accumulation 10^12": (None, ["train.gradient_accumulation_steps=1000000000000"], {},
-                                    ("train.gradient_accumulation_steps", "bound")),
+    "gradient_accumulation 10^12": (
+        None,
+        ["train.gradient_accumulation_steps=1000000000000"],
+        {},
+        ("train.gradient_accumulation_steps", "bound"),
+    ),
     "seq_length 10^9": (None, ["data.seq_length=1000000000"], {}, ("data.seq_length", "bound")),
     "num_workers 10^9": (None, ["scaling.num_workers=1000000000"], {}, ("scaling.num_workers", "bound")),
     "seed 10^30": (None, ["train.seed=1000000000000000000000000000000"], {}, ("train.seed", "bound")),
@@ -80,47 +106,116 @@ CASES = {
     "relative path without ./": (None, ["data.dataset=data/missing.jsonl"], {}, ("data.dataset", "check the path")),
     "glob matching nothing": (None, ["data.dataset=data/*.jsonl"], {}, ("data.dataset", "check the path")),
     "nested relative path": (None, ["data.dataset=corpora/news/train"], {}, ("data.dataset", "check the path")),
-    "missing text_field": (None, ["data.dataset={tmp}/d.jsonl"], {"d.jsonl": jsonl({"txt": "hello"})},
-                           ("data.text_field", "did you mean 'txt'")),
-    "numeric text column (jsonl)": (None, ["data.dataset={tmp}/d.jsonl"],
-                                    {"d.jsonl": jsonl({"text": 3}, {"text": 4})},
-                                    ("data.text_field", "column that holds the text")),
-    "numeric text column (csv)": (None, ["data.dataset={tmp}/d.csv"], {"d.csv": b"text,label\n1,a\n2,b\n"},
-                                  ("data.text_field", "column that holds the text")),
-    "list text column": (None, ["data.dataset={tmp}/d.jsonl"], {"d.jsonl": jsonl({"text": ["a", "b"]})},
-                         ("data.text_field", "column that holds the text")),
+    "missing text_field": (
+        None,
+        ["data.dataset={tmp}/d.jsonl"],
+        {"d.jsonl": jsonl({"txt": "hello"})},
+        ("data.text_field", "did you mean 'txt'"),
+    ),
+    "numeric text column (jsonl)": (
+        None,
+        ["data.dataset={tmp}/d.jsonl"],
+        {"d.jsonl": jsonl({"text": 3}, {"text": 4})},
+        ("data.text_field", "column that holds the text"),
+    ),
+    "numeric text column (csv)": (
+        None,
+        ["data.dataset={tmp}/d.csv"],
+        {"d.csv": b"text,label\n1,a\n2,b\n"},
+        ("data.text_field", "column that holds the text"),
+    ),
+    "list text column": (
+        None,
+        ["data.dataset={tmp}/d.jsonl"],
+        {"d.jsonl": jsonl({"text": ["a", "b"]})},
+        ("data.text_field", "column that holds the text"),
+    ),
     "empty jsonl": (None, ["data.dataset={tmp}/d.jsonl"], {"d.jsonl": b""}, ("data.dataset", "point it at your data")),
     "empty csv": (None, ["data.dataset={tmp}/d.csv"], {"d.csv": b""}, ("data.dataset", "point it at your data")),
-    "folder of empty files": (None, ["data.dataset={tmp}/shards"],
-                              {"shards/a.jsonl": b"", "shards/b.jsonl": b""}, ("data.dataset", "point it at your data")),
-    "csv header only": (None, ["data.dataset={tmp}/d.csv"], {"d.csv": b"text,label\n"}, ("data.text_field", "with text")),
-    "every text empty": (None, ["data.dataset={tmp}/d.jsonl"], {"d.jsonl": jsonl({"text": ""}, {"text": "  "})},
-                         ("data.text_field", "with text")),
-    "every text null": (None, ["data.dataset={tmp}/d.jsonl"], {"d.jsonl": jsonl({"text": None}, {"text": None})},
-                        ("data.text_field", "with text")),
-    "csv with every cell empty": (None, ["data.dataset={tmp}/d.csv"], {"d.csv": b"text,label\n,1\n,2\n"},
-                                  ("data.text_field", "with text")),
-    "broken json line": (None, ["data.dataset={tmp}/d.jsonl"], {"d.jsonl": jsonl({"text": "ok"}) + b"{oops\n"},
-                         ("data.dataset", "fix the file")),
-    "json array without the field": (None, ["data.dataset={tmp}/d.json"], {"d.json": b'[{"body": "x"}]'},
-                                     ("data.text_field", "did you mean 'body'")),
-    "data not UTF-8": (None, ["data.dataset={tmp}/d.jsonl"], {"d.jsonl": '{"text": "caf\u00e9"}\n'.encode("latin-1")},
-                       ("data.dataset", "fix the file")),
-    "txt with another text_field": (None, ["data.dataset={tmp}/d.txt", "data.text_field=body"], {"d.txt": b"a\nb\n"},
-                                    ("data.text_field", "did you mean 'text'")),
-    "parquet without the column": (None, ["data.dataset={tmp}/d.parquet"],
-                                   {"d.parquet": lambda p: _parquet(p, {"content": ["a", "b"]})},
-                                   ("data.text_field", "did you mean 'content'")),
-    "parquet numeric column": (None, ["data.dataset={tmp}/d.parquet"],
-                               {"d.parquet": lambda p: _parquet(p, {"text": [1.5, 2.5]})},
-                               ("data.text_field", "column that holds the text")),
-    "damaged parquet": (None, ["data.dataset={tmp}/d.parquet"], {"d.parquet": b"PAR1 not really"},
-                        ("data.dataset", "fix the file")),
-    "save_to_disk without the column": (None, ["data.dataset={tmp}/saved"],
-                                        {"saved": lambda p: _saved(p, {"body": ["a"]})}, ("data.text_field", "")),
-    "save_to_disk numeric column": (None, ["data.dataset={tmp}/saved"],
-                                    {"saved": lambda p: _saved(p, {"text": [1, 2]})},
-                                    ("data.text_field", "column that holds the text")),
+    "folder of empty files": (
+        None,
+        ["data.dataset={tmp}/shards"],
+        {"shards/a.jsonl": b"", "shards/b.jsonl": b""},
+        ("data.dataset", "point it at your data"),
+    ),
+    "csv header only": (
+        None,
+        ["data.dataset={tmp}/d.csv"],
+        {"d.csv": b"text,label\n"},
+        ("data.text_field", "with text"),
+    ),
+    "every text empty": (
+        None,
+        ["data.dataset={tmp}/d.jsonl"],
+        {"d.jsonl": jsonl({"text": ""}, {"text": "  "})},
+        ("data.text_field", "with text"),
+    ),
+    "every text null": (
+        None,
+        ["data.dataset={tmp}/d.jsonl"],
+        {"d.jsonl": jsonl({"text": None}, {"text": None})},
+        ("data.text_field", "with text"),
+    ),
+    "csv with every cell empty": (
+        None,
+        ["data.dataset={tmp}/d.csv"],
+        {"d.csv": b"text,label\n,1\n,2\n"},
+        ("data.text_field", "with text"),
+    ),
+    "broken json line": (
+        None,
+        ["data.dataset={tmp}/d.jsonl"],
+        {"d.jsonl": jsonl({"text": "ok"}) + b"{oops\n"},
+        ("data.dataset", "fix the file"),
+    ),
+    "json array without the field": (
+        None,
+        ["data.dataset={tmp}/d.json"],
+        {"d.json": b'[{"body": "x"}]'},
+        ("data.text_field", "did you mean 'body'"),
+    ),
+    "data not UTF-8": (
+        None,
+        ["data.dataset={tmp}/d.jsonl"],
+        {"d.jsonl": '{"text": "caf\u00e9"}\n'.encode("latin-1")},
+        ("data.dataset", "fix the file"),
+    ),
+    "txt with another text_field": (
+        None,
+        ["data.dataset={tmp}/d.txt", "data.text_field=body"],
+        {"d.txt": b"a\nb\n"},
+        ("data.text_field", "did you mean 'text'"),
+    ),
+    "parquet without the column": (
+        None,
+        ["data.dataset={tmp}/d.parquet"],
+        {"d.parquet": lambda p: _parquet(p, {"content": ["a", "b"]})},
+        ("data.text_field", "did you mean 'content'"),
+    ),
+    "parquet numeric column": (
+        None,
+        ["data.dataset={tmp}/d.parquet"],
+        {"d.parquet": lambda p: _parquet(p, {"text": [1.5, 2.5]})},
+        ("data.text_field", "column that holds the text"),
+    ),
+    "damaged parquet": (
+        None,
+        ["data.dataset={tmp}/d.parquet"],
+        {"d.parquet": b"PAR1 not really"},
+        ("data.dataset", "fix the file"),
+    ),
+    "save_to_disk without the column": (
+        None,
+        ["data.dataset={tmp}/saved"],
+        {"saved": lambda p: _saved(p, {"body": ["a"]})},
+        ("data.text_field", ""),
+    ),
+    "save_to_disk numeric column": (
+        None,
+        ["data.dataset={tmp}/saved"],
+        {"saved": lambda p: _saved(p, {"text": [1, 2]})},
+        ("data.text_field", "column that holds the text"),
+    ),
 }
 
 
@@ -150,8 +245,15 @@ def test_hostile_input_exits_2_early_with_one_line(case, tmp_path, tiny_model, c
     if text is not None:
         (inputs / "config.yaml").write_bytes(text)
         args.append(str(inputs / "config.yaml"))
-    base = [f"experiment.storage_path={storage}", "experiment.name=hostile", f"model.name_or_path={tiny_model}",
-            "scaling.use_gpu=false", "data.seq_length=32", f"data.dataset={CORPUS}", "data.split=train"]
+    base = [
+        f"experiment.storage_path={storage}",
+        "experiment.name=hostile",
+        f"model.name_or_path={tiny_model}",
+        "scaling.use_gpu=false",
+        "data.seq_length=32",
+        f"data.dataset={CORPUS}",
+        "data.split=train",
+    ]
     for s in base + [s.replace("{tmp}", str(inputs)) for s in sets]:
         args += ["--set", s]
     monkeypatch.chdir(tmp_path)  # relative data paths are judged from here
@@ -199,8 +301,14 @@ def test_rows_without_text_are_skipped_and_counted(tmp_path, caplog):
 def _docs(tmp_path: Path) -> Path:
     """Documents of 1 and 2 tokens, one of 50,000 characters, an empty one, and ordinary ones."""
     path = tmp_path / "docs.jsonl"
-    rows = [{"text": "a"}, {"text": "hi"}, {"text": "x" * 50_000}, {"text": ""},
-            {"text": " ".join(["word"] * 12_000)[:50_000]}, {"text": "The central bank raised rates today."}]
+    rows = [
+        {"text": "a"},
+        {"text": "hi"},
+        {"text": "x" * 50_000},
+        {"text": ""},
+        {"text": " ".join(["word"] * 12_000)[:50_000]},
+        {"text": "The central bank raised rates today."},
+    ]
     path.write_bytes(jsonl(*rows))
     return path
 
@@ -235,9 +343,15 @@ def test_every_problem_is_reported_at_once(tmp_path, tiny_model, capsys, monkeyp
     missing model folder come out together, one line each, from validate and train."""
     monkeypatch.chdir(tmp_path)
     args = []
-    for s in [f"experiment.storage_path={tmp_path / 'storage'}", "experiment.name=many", "scaling.use_gpu=false",
-              "train.learning_rate=-1", "data.dataset=data/missing.jsonl", f"model.name_or_path={tmp_path / 'nomodel'}",
-              "data.seq_length=32"]:
+    for s in [
+        f"experiment.storage_path={tmp_path / 'storage'}",
+        "experiment.name=many",
+        "scaling.use_gpu=false",
+        "train.learning_rate=-1",
+        "data.dataset=data/missing.jsonl",
+        f"model.name_or_path={tmp_path / 'nomodel'}",
+        "data.seq_length=32",
+    ]:
         args += ["--set", s]
     for command in ("validate", "train"):
         assert main([command, *args]) == 2, command

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import CLI_ENV, REPO
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
-
-from conftest import CLI_ENV, REPO
 
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
@@ -31,19 +30,30 @@ CHART = REPO / "helm" / "ray-finetune" / "Chart.yaml"
 VALUES = REPO / "helm" / "ray-finetune" / "values.yaml"
 
 # Ray tags its images {ray version}-py{python minor}-{cpu|cuXYZ|gpu}[-aarch64]; the project needs a CUDA one.
-RAY_IMAGE = re.compile(r"^rayproject/ray:(?P<ray>\d+\.\d+\.\d+)-py(?P<py>3)(?P<minor>\d+)-(?P<cuda>cu\d{3})"
-                       r"(?P<arch>-aarch64)?$")
+RAY_IMAGE = re.compile(
+    r"^rayproject/ray:(?P<ray>\d+\.\d+\.\d+)-py(?P<py>3)(?P<minor>\d+)-(?P<cuda>cu\d{3})"
+    r"(?P<arch>-aarch64)?$"
+)
 # Same flags as `make lint-image`: strictest threshold, no inline ignores, Docker Hub only, OCI labels required.
 HADOLINT_ARGS = [
-    "--failure-threshold", "style", "--disable-ignore-pragma", "--trusted-registry", "docker.io",
-    "--require-label", "org.opencontainers.image.version:text",
-    "--require-label", "org.opencontainers.image.source:url",
-    "--require-label", "org.opencontainers.image.revision:text",
-    "--require-label", "org.opencontainers.image.licenses:spdx",
+    "--failure-threshold",
+    "style",
+    "--disable-ignore-pragma",
+    "--trusted-registry",
+    "docker.io",
+    "--require-label",
+    "org.opencontainers.image.version:text",
+    "--require-label",
+    "org.opencontainers.image.source:url",
+    "--require-label",
+    "org.opencontainers.image.revision:text",
+    "--require-label",
+    "org.opencontainers.image.licenses:spdx",
 ]
 
 
 # --- a small Dockerfile reader ------------------------------------------------------------------------
+
 
 def instructions(text: str) -> list[tuple[str, str]]:
     """(KEYWORD, arguments) per instruction: comments dropped, line continuations joined."""
@@ -72,6 +82,7 @@ def _arg_defaults(args: str) -> dict[str, str | None]:
 
 def substitute(value: str, env: dict[str, str | None]) -> str:
     """Docker's ARG substitution: $VAR, ${VAR}, ${VAR:-default} and ${VAR:+alternative}."""
+
     def one(m: re.Match) -> str:
         name, op, word = m.group(1) or m.group(4), m.group(2), m.group(3) or ""
         current = env.get(name) or ""
@@ -100,11 +111,18 @@ def read_dockerfile(path: Path, build_args: dict[str, str] | None = None) -> dic
         elif keyword == "LABEL":
             for key, value in re.findall(r'([\w.\-]+)="([^"]*)"', args):
                 labels[key] = value
-    return {"global_args": global_args, "base": base, "args": stage_args, "labels": labels, "items": items,
-            "from": next(a.split()[0] for k, a in items if k == "FROM")}
+    return {
+        "global_args": global_args,
+        "base": base,
+        "args": stage_args,
+        "labels": labels,
+        "items": items,
+        "from": next(a.split()[0] for k, a in items if k == "FROM"),
+    }
 
 
 # --- versions ----------------------------------------------------------------------------------------
+
 
 def _pins(requirements: list[str]) -> dict[str, str]:
     pins = {}
@@ -116,8 +134,14 @@ def _pins(requirements: list[str]) -> dict[str, str]:
     return pins
 
 
-def version_problems(pyproject: Path = PYPROJECT, dockerfile: Path = DOCKERFILE, chart: Path = CHART,
-                     values: Path = VALUES, lock: Path = LOCK, makefile: Path = MAKEFILE) -> list[str]:
+def version_problems(
+    pyproject: Path = PYPROJECT,
+    dockerfile: Path = DOCKERFILE,
+    chart: Path = CHART,
+    values: Path = VALUES,
+    lock: Path = LOCK,
+    makefile: Path = MAKEFILE,
+) -> list[str]:
     """Every disagreement between pyproject's pins and version, the lock, the Makefile's torch, the Dockerfile's
     base tag/args/labels and the chart's rayVersion, appVersion and image tag; [] when they agree."""
     problems: list[str] = []
@@ -131,15 +155,17 @@ def version_problems(pyproject: Path = PYPROJECT, dockerfile: Path = DOCKERFILE,
     df = read_dockerfile(dockerfile)
     m = RAY_IMAGE.match(df["base"] or "")
     if not m:
-        problems.append(f"{dockerfile.name}: FROM {df['base']!r} is not a Ray CUDA image "
-                        "(rayproject/ray:<ray>-py<XY>-cu<XYZ>)")
+        problems.append(
+            f"{dockerfile.name}: FROM {df['base']!r} is not a Ray CUDA image (rayproject/ray:<ray>-py<XY>-cu<XYZ>)"
+        )
     else:
         if m["ray"] != ray:
             problems.append(f"{dockerfile.name}: base image Ray {m['ray']} != pyproject's ray=={ray}")
         python = f"{m['py']}.{m['minor']}"
         if python not in SpecifierSet(project["requires-python"]):
-            problems.append(f"{dockerfile.name}: base image Python {python} is outside requires-python "
-                            f"{project['requires-python']}")
+            problems.append(
+                f"{dockerfile.name}: base image Python {python} is outside requires-python {project['requires-python']}"
+            )
     if df["args"].get("VERSION") != version:
         problems.append(f"{dockerfile.name}: ARG VERSION={df['args'].get('VERSION')} != project version {version}")
     label = substitute(df["labels"].get("org.opencontainers.image.version", ""), df["args"])
@@ -148,14 +174,17 @@ def version_problems(pyproject: Path = PYPROJECT, dockerfile: Path = DOCKERFILE,
 
     torch_cpu = re.search(r"^TORCH_CPU\s*:?=\s*torch==(\S+)", makefile.read_text(), re.M)
     if not torch_cpu or df["args"].get("TORCH_VERSION") != torch_cpu.group(1):
-        problems.append(f"{dockerfile.name}: ARG TORCH_VERSION={df['args'].get('TORCH_VERSION')} != the torch the "
-                        f"tests run with ({makefile.name}: {torch_cpu.group(0) if torch_cpu else 'no TORCH_CPU'})")
+        problems.append(
+            f"{dockerfile.name}: ARG TORCH_VERSION={df['args'].get('TORCH_VERSION')} != the torch the "
+            f"tests run with ({makefile.name}: {torch_cpu.group(0) if torch_cpu else 'no TORCH_CPU'})"
+        )
 
     locked = _pins([line for line in lock.read_text().splitlines() if line.strip() and not line.startswith("#")])
     for name, pinned in pins.items():
         if locked.get(name) != pinned:
-            problems.append(f"{lock.name}: {name}=={locked.get(name)} != pyproject's {name}=={pinned} "
-                            "(run `make lock`)")
+            problems.append(
+                f"{lock.name}: {name}=={locked.get(name)} != pyproject's {name}=={pinned} (run `make lock`)"
+            )
 
     chart_doc = yaml.safe_load(chart.read_text())
     values_doc = yaml.safe_load(values.read_text())
@@ -181,15 +210,18 @@ def _edited_copy(tmp_path: Path, src: Path, old: str, new: str) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("which, old, new, expect", [
-    ("dockerfile", "FROM rayproject/ray:2.60.0-", "FROM rayproject/ray:2.59.0-", "base image Ray 2.59.0"),
-    ("dockerfile", "ARG VERSION=", "ARG VERSION=9", "ARG VERSION=9"),
-    ("dockerfile", "ARG TORCH_VERSION=", "ARG TORCH_VERSION=9", "TORCH_VERSION=9"),
-    ("values", 'rayVersion: "', 'rayVersion: "9', "rayVersion '9"),
-    ("values", 'tag: ""', 'tag: "latest"', "image.tag 'latest'"),
-    ("chart", 'appVersion: "', 'appVersion: "9', "appVersion '9"),
-    ("pyproject", '"ray[train]==', '"ray[train]==9', "!= pyproject's ray==9"),
-])
+@pytest.mark.parametrize(
+    "which, old, new, expect",
+    [
+        ("dockerfile", "FROM rayproject/ray:2.60.0-", "FROM rayproject/ray:2.59.0-", "base image Ray 2.59.0"),
+        ("dockerfile", "ARG VERSION=", "ARG VERSION=9", "ARG VERSION=9"),
+        ("dockerfile", "ARG TORCH_VERSION=", "ARG TORCH_VERSION=9", "TORCH_VERSION=9"),
+        ("values", 'rayVersion: "', 'rayVersion: "9', "rayVersion '9"),
+        ("values", 'tag: ""', 'tag: "latest"', "image.tag 'latest'"),
+        ("chart", 'appVersion: "', 'appVersion: "9', "appVersion '9"),
+        ("pyproject", '"ray[train]==', '"ray[train]==9', "!= pyproject's ray==9"),
+    ],
+)
 def test_versions_disagreeing_fail(tmp_path, which, old, new, expect):
     """The same check fails when one side is changed by hand (shown on modified copies)."""
     files = {"dockerfile": DOCKERFILE, "values": VALUES, "chart": CHART, "pyproject": PYPROJECT}
@@ -214,6 +246,7 @@ def test_base_image_is_rays_cuda_image_for_the_locked_python():
 
 # --- the Dockerfile's contract -------------------------------------------------------------------------
 
+
 def _hadolint() -> str:
     exe = Path(sys.executable).with_name("hadolint")
     found = str(exe) if exe.exists() else shutil.which("hadolint")
@@ -222,8 +255,9 @@ def _hadolint() -> str:
 
 
 def test_hadolint_passes():
-    proc = subprocess.run([_hadolint(), "--no-color", *HADOLINT_ARGS, str(DOCKERFILE)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [_hadolint(), "--no-color", *HADOLINT_ARGS, str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "", proc.stdout + proc.stderr
 
 
@@ -238,14 +272,17 @@ def test_hadolint_flags_a_bad_copy(tmp_path):
     """The lint is live: a copy that ends as root and loses --no-cache-dir fails it."""
     bad = _edited_copy(tmp_path, DOCKERFILE, "USER 1000:100", "USER root")
     bad.write_text(bad.read_text().replace("pip install --no-cache-dir --no-deps .", "pip install --no-deps ."))
-    out = subprocess.run([_hadolint(), "--no-color", *HADOLINT_ARGS, str(bad)], capture_output=True, text=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        [_hadolint(), "--no-color", *HADOLINT_ARGS, str(bad)], capture_output=True, text=True, timeout=60
+    ).stdout
     assert "DL3002" in out and "DL3042" in out, out
 
 
 # The reference grammar of the distribution (docker) library: name[:tag][@digest].
-REFERENCE = re.compile(r"^(?P<name>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
-                       r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?$")
+REFERENCE = re.compile(
+    r"^(?P<name>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}))?$"
+)
 DIGEST = "sha256:" + "ab" * 32
 
 
@@ -316,9 +353,16 @@ def test_deepspeed_ops_are_prebuilt_for_ampere_and_hopper():
     ds_runs = [a for k, a in df["items"] if k == "RUN" and "DS_BUILD_" in a]
     assert len(ds_runs) == 1
     run = ds_runs[0]
-    for flag in ("DS_BUILD_CPU_ADAM=1", "DS_BUILD_FUSED_ADAM=1", "DS_ACCELERATOR=cuda", "--no-build-isolation",
-                 '-c requirements.lock "$(grep \'^deepspeed==\' requirements.lock)"',
-                 'TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"', "cpu_adam_op*.so", "fused_adam_op*.so"):
+    for flag in (
+        "DS_BUILD_CPU_ADAM=1",
+        "DS_BUILD_FUSED_ADAM=1",
+        "DS_ACCELERATOR=cuda",
+        "--no-build-isolation",
+        "-c requirements.lock \"$(grep '^deepspeed==' requirements.lock)\"",
+        'TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"',
+        "cpu_adam_op*.so",
+        "fused_adam_op*.so",
+    ):
         assert flag in run, flag
     # torch (with CUDA) is installed by an earlier RUN, so DeepSpeed's setup.py can build against it.
     runs = [a for k, a in df["items"] if k == "RUN"]
@@ -338,6 +382,7 @@ def test_no_secrets_or_caches_baked_in():
 
 # --- the build context ---------------------------------------------------------------------------------
 
+
 def _pattern_regex(pattern: str) -> re.Pattern:
     """Docker's .dockerignore pattern (moby/patternmatcher): * and ? stay in one path segment, ** spans any."""
     out, i = "", 0
@@ -353,7 +398,7 @@ def _pattern_regex(pattern: str) -> re.Pattern:
             out, i = out + "[^/]", i + 1
         elif c == "[":
             j = pattern.index("]", i)
-            out, i = out + pattern[i:j + 1], j + 1
+            out, i = out + pattern[i : j + 1], j + 1
         else:
             out, i = out + re.escape(c), i + 1
     return re.compile(f"^{out}$")
@@ -375,7 +420,7 @@ def dockerignore_excludes(dockerignore: Path):
         for negate, rx in rules:  # the last rule that matches the path or one of its parents decides
             if negate != result:
                 continue
-            if rx.match(path) or any(rx.match("/".join(parents[:i + 1])) for i in range(len(parents))):
+            if rx.match(path) or any(rx.match("/".join(parents[: i + 1])) for i in range(len(parents))):
                 result = not negate
         return result
 
@@ -384,15 +429,34 @@ def dockerignore_excludes(dockerignore: Path):
 
 def test_dockerignore_keeps_local_state_out_and_what_the_dockerfile_copies_in():
     excluded = dockerignore_excludes(DOCKERIGNORE)
-    for path in (".venv/bin/python", ".local/storage/exp/checkpoints/step-1/model.pt", ".local/tiny-gpt2/config.json",
-                 ".pytest_cache/v/cache/lastfailed", ".hypothesis/examples/x", "app/__pycache__/cli.cpython-311.pyc",
-                 "tests/__pycache__/conftest.cpython-311.pyc", "tests/test_image.py", "build/lib/app/cli.py",
-                 "dist/x.whl", "ray_deepspeed_finetune.egg-info/PKG-INFO", ".git/HEAD", ".env", ".gpu/x", ".whl/x.whl",
-                 "storage/exp/metrics.jsonl", "helm/ray-finetune/values.yaml", "k8s/rayjob.yaml"):
+    for path in (
+        ".venv/bin/python",
+        ".local/storage/exp/checkpoints/step-1/model.pt",
+        ".local/tiny-gpt2/config.json",
+        ".pytest_cache/v/cache/lastfailed",
+        ".hypothesis/examples/x",
+        "app/__pycache__/cli.cpython-311.pyc",
+        "tests/__pycache__/conftest.cpython-311.pyc",
+        "tests/test_image.py",
+        "build/lib/app/cli.py",
+        "dist/x.whl",
+        "ray_deepspeed_finetune.egg-info/PKG-INFO",
+        ".git/HEAD",
+        ".env",
+        ".gpu/x",
+        ".whl/x.whl",
+        "storage/exp/metrics.jsonl",
+        "helm/ray-finetune/values.yaml",
+        "k8s/rayjob.yaml",
+    ):
         assert excluded(path), f"{path} would be sent to the builder"
     # Everything the Dockerfile copies is in the context.
-    copied = [src for k, a in read_dockerfile(DOCKERFILE)["items"] if k == "COPY"
-              for src in [w for w in a.split() if not w.startswith("--")][:-1]]
+    copied = [
+        src
+        for k, a in read_dockerfile(DOCKERFILE)["items"]
+        if k == "COPY"
+        for src in [w for w in a.split() if not w.startswith("--")][:-1]
+    ]
     assert copied
     for src in copied:
         target = REPO / src
@@ -406,8 +470,9 @@ def test_dockerignore_keeps_local_state_out_and_what_the_dockerfile_copies_in():
 def test_dockerignore_on_the_real_tree_sends_only_sources():
     """Walk this checkout (with whatever .venv, .local, caches it has) as the builder would."""
     excluded = dockerignore_excludes(DOCKERIGNORE)
-    reincluded = [line.strip()[1:].strip("/") for line in DOCKERIGNORE.read_text().splitlines()
-                  if line.strip().startswith("!")]
+    reincluded = [
+        line.strip()[1:].strip("/") for line in DOCKERIGNORE.read_text().splitlines() if line.strip().startswith("!")
+    ]
     sent = []
     for root, dirs, files in os.walk(REPO):
         rel_root = Path(root).relative_to(REPO).as_posix()
@@ -424,6 +489,7 @@ def test_dockerignore_on_the_real_tree_sends_only_sources():
 
 
 # --- the lock, installed into a fresh venv as the image installs it --------------------------------------
+
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
@@ -477,8 +543,21 @@ def test_lock_installs_in_a_fresh_venv_and_the_image_commands_run(tmp_path):
     _run([str(py), "-m", "pip", "install", "-q", "--no-compile", "-c", "requirements.lock", torch_cpu], cwd=ctx)
     deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
     (tmp_path / "requirements.txt").write_text("\n".join(deps) + "\n")
-    _run([str(py), "-m", "pip", "install", "-q", "--no-compile", "-c", "requirements.lock",
-          "-r", str(tmp_path / "requirements.txt")], cwd=ctx)
+    _run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-compile",
+            "-c",
+            "requirements.lock",
+            "-r",
+            str(tmp_path / "requirements.txt"),
+        ],
+        cwd=ctx,
+    )
     _run([str(py), "-m", "pip", "install", "-q", "--no-compile", "--no-deps", "."], cwd=ctx)
     _run([str(py), "-m", "pip", "check"], cwd=ctx)
 
@@ -522,7 +601,10 @@ def test_gpu_extra_is_pinned_installed_by_the_image_and_needs_only_torchs_stack(
     for wheel in tmp_path.glob("*.whl"):
         with zipfile.ZipFile(wheel) as z:
             meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-            requires = [line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines()
-                        if line.startswith("Requires-Dist:") and "extra ==" not in line]
+            requires = [
+                line.split(":", 1)[1].strip()
+                for line in z.read(meta).decode().splitlines()
+                if line.startswith("Requires-Dist:") and "extra ==" not in line
+            ]
         names = {re.split(r"[<>=!~;\s\[]", r, maxsplit=1)[0].lower() for r in requires}
         assert names <= {"torch", "triton"}, (wheel.name, requires)

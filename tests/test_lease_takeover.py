@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from app.lease import Lease, LeaseHeld
 from conftest import REPO
 from fake_k8s import FakeKube
+
+from app.lease import Lease, LeaseHeld
 
 # A holder that takes the lease with a 10-minute timeout, says so, then either dies without releasing it
 # (`exit`: as a SIGKILLed driver would leave it) or holds it (`hold`).
@@ -34,8 +34,13 @@ time.sleep(600)
 
 
 def holder(folder: Path, mode: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), mode], cwd=REPO, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder), mode],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.stdout.readline().strip() == "holding"
     return proc
 
@@ -78,8 +83,11 @@ def test_pid_reused_by_a_later_process_is_not_the_holder(tmp_path):
     Lease(tmp_path, 600).acquire().release()
 
 
-@pytest.mark.parametrize("change", [{"host": "another-host"}, {"pid_ns": "pid:[1]"}, {"boot_id": "an-earlier-boot"}],
-                         ids=["another host", "another pid namespace", "another boot"])
+@pytest.mark.parametrize(
+    "change",
+    [{"host": "another-host"}, {"pid_ns": "pid:[1]"}, {"boot_id": "an-earlier-boot"}],
+    ids=["another host", "another pid namespace", "another boot"],
+)
 def test_a_holder_elsewhere_is_judged_by_the_timeout_only(change, tmp_path):
     """Its pid means nothing here, dead or alive: the lease is held until it expires."""
     proc = holder(tmp_path, "exit")
@@ -101,16 +109,32 @@ def kube(tmp_path, monkeypatch):
     server.stop()
 
 
-RAYJOB = {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": "exp1", "namespace": "ml"},
-          "spec": {"entrypoint": "finetune train /etc/finetune/config.yaml"}}
+RAYJOB = {
+    "apiVersion": "ray.io/v1",
+    "kind": "RayJob",
+    "metadata": {"name": "exp1", "namespace": "ml"},
+    "spec": {"entrypoint": "finetune train /etc/finetune/config.yaml"},
+}
 
 
 def rayjob_lease(folder: Path, uid: str) -> None:
     """A fresh lease written by a driver on another node, under RayJob ml/exp1 with this uid."""
     folder.mkdir(exist_ok=True)
-    (folder / ".lease").write_text(json.dumps({"token": "t", "host": "exp1-head-abcde", "pid": 7, "pod": "exp1-head-abcde",
-                                               "namespace": "ml", "boot_id": "other-node", "pid_ns": "pid:[2]",
-                                               "timeout_s": 600, "rayjob": {"namespace": "ml", "name": "exp1", "uid": uid}}))
+    (folder / ".lease").write_text(
+        json.dumps(
+            {
+                "token": "t",
+                "host": "exp1-head-abcde",
+                "pid": 7,
+                "pod": "exp1-head-abcde",
+                "namespace": "ml",
+                "boot_id": "other-node",
+                "pid_ns": "pid:[2]",
+                "timeout_s": 600,
+                "rayjob": {"namespace": "ml", "name": "exp1", "uid": uid},
+            }
+        )
+    )
 
 
 def test_holder_records_the_rayjob_it_runs_under(kube, tmp_path, monkeypatch):

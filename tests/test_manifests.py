@@ -9,9 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-from k8s_support import (K8S, REPO, by_kind, cluster_spec, container, env_of, one, parse, pod_templates, render,
-                         tool, validate_all)
+from k8s_support import (
+    K8S,
+    REPO,
+    by_kind,
+    cluster_spec,
+    container,
+    env_of,
+    one,
+    parse,
+    pod_templates,
+    render,
+    tool,
+    validate_all,
+)
 
 sys.path.insert(0, str(REPO / "tools"))
 import manifests  # noqa: E402  (tools/manifests.py: what `make manifests` runs)
@@ -29,7 +40,8 @@ def test_k8s_is_the_chart_rendered_with_defaults():
     problems = manifests.differences(K8S)
     assert not problems, "k8s/ differs from a fresh render (run `make manifests`):\n" + "\n".join(problems)
     assert (K8S / "pvc.yaml").exists() and [o["kind"] for o in parse((K8S / "pvc.yaml").read_text())] == [
-        "PersistentVolumeClaim"], "the PVC has a file of its own, so deleting the job never touches it"
+        "PersistentVolumeClaim"
+    ], "the PVC has a file of its own, so deleting the job never touches it"
     assert {"configmap.yaml", "rayjob.yaml", "Kustomization"} <= {p.name for p in K8S.iterdir()}
 
 
@@ -72,8 +84,10 @@ def test_example_overlay_changes_name_image_gpus_and_storage_class(tmp_path):
     assert env_of(container(head))["FINETUNE_RAYJOB_NAME"] == name
     assert job["spec"]["entrypoint"].endswith(f"--set experiment.name={name}")
     # GPUs and workers agree; the image and the storage class are the overlay's.
-    gpus = sum(g["replicas"] * g["numOfHosts"] * int(g["rayStartParams"]["num-gpus"])
-               for g in cluster_spec(objects)["workerGroupSpecs"])
+    gpus = sum(
+        g["replicas"] * g["numOfHosts"] * int(g["rayStartParams"]["num-gpus"])
+        for g in cluster_spec(objects)["workerGroupSpecs"]
+    )
     assert gpus == 4 and f"--set scaling.num_workers={gpus} " in job["spec"]["entrypoint"]
     for role, tpl in pod_templates(objects).items():
         assert container(tpl)["image"] == "registry.example.com/ml/ray-finetune:0.1.0", role
@@ -93,8 +107,11 @@ def test_an_overlay_namespace_moves_the_rolebinding_subject(tmp_path):
     objects = kustomize(overlay)
     assert {o["metadata"]["namespace"] for o in objects} == {"ml-team"}
     subject = one(objects, "RoleBinding")["subjects"][0]
-    assert subject == {"kind": "ServiceAccount", "name": one(objects, "ServiceAccount")["metadata"]["name"],
-                       "namespace": "ml-team"}
+    assert subject == {
+        "kind": "ServiceAccount",
+        "name": one(objects, "ServiceAccount")["metadata"]["name"],
+        "namespace": "ml-team",
+    }
     assert "namespace: default" in (K8S / "rbac.yaml").read_text(), "the committed file names default (see above)"
 
 
@@ -111,18 +128,23 @@ def test_cpu_overlay_is_the_chart_with_values_cpu(tmp_path):
     ours = one(objects, "ConfigMap")["data"]["training.yaml"]
     theirs = one(chart, "ConfigMap")["data"]["training.yaml"]
     # kustomize writes a literal block without its final newline: the same YAML
-    assert ours.rstrip("\n") == theirs.rstrip("\n"), "the overlay's training.yaml differs from the chart's for values-cpu.yaml"
+    assert ours.rstrip("\n") == theirs.rstrip("\n"), (
+        "the overlay's training.yaml differs from the chart's for values-cpu.yaml"
+    )
     assert "nvidia.com/gpu" not in str(objects)
     want, got = cluster_spec(chart), cluster_spec(objects)
     assert got["headGroupSpec"]["rayStartParams"] == want["headGroupSpec"]["rayStartParams"]
-    assert [(g["groupName"], g["replicas"], g["rayStartParams"]) for g in got["workerGroupSpecs"]] == \
-        [(g["groupName"], g["replicas"], g["rayStartParams"]) for g in want["workerGroupSpecs"]]
+    assert [(g["groupName"], g["replicas"], g["rayStartParams"]) for g in got["workerGroupSpecs"]] == [
+        (g["groupName"], g["replicas"], g["rayStartParams"]) for g in want["workerGroupSpecs"]
+    ]
     ours_t, theirs_t = pod_templates(objects), pod_templates(chart)
     assert set(ours_t) == set(theirs_t)
     for role in theirs_t:
         assert container(ours_t[role])["resources"] == container(theirs_t[role])["resources"], role
         sizes = {v["name"]: v.get("emptyDir") for v in ours_t[role]["spec"].get("volumes", []) if "emptyDir" in v}
-        assert sizes == {v["name"]: v.get("emptyDir") for v in theirs_t[role]["spec"].get("volumes", []) if "emptyDir" in v}, role
+        assert sizes == {
+            v["name"]: v.get("emptyDir") for v in theirs_t[role]["spec"].get("volumes", []) if "emptyDir" in v
+        }, role
         assert ours_t[role]["spec"].get("tolerations") == theirs_t[role]["spec"].get("tolerations"), role
     job = one(objects, "RayJob")
     assert job["spec"]["entrypoint"] == one(chart, "RayJob")["spec"]["entrypoint"]

@@ -17,7 +17,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-
 from conftest import CLI_ENV, run_cli, tiny_overrides
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -31,16 +30,26 @@ def free_port() -> int:
 
 def own_ports() -> list[str]:
     # Every port of its own: several raylets share this host, as pods would share none.
-    return [f"--{flag}={free_port()}" for flag in (
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")]
+    return [
+        f"--{flag}={free_port()}"
+        for flag in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+    ]
 
 
 class Node:
     def __init__(self, args: list[str], log: Path, env: dict):
         self.log = log.open("w")
-        self.proc = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-                                      *args, *own_ports()],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", *args, *own_ports()],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def stop(self) -> None:
         self.proc.terminate()  # `ray start --block` stops what it started
@@ -53,7 +62,10 @@ class Node:
 
 def wait_for_cpus(address: str, cpus: int, env: dict, nodes: list[Node]) -> None:
     deadline = time.time() + 180
-    probe = f"import ray; ray.init(address='{address}', log_to_driver=False); print(int(ray.cluster_resources().get('CPU', 0)))"
+    probe = (
+        f"import ray; ray.init(address='{address}', log_to_driver=False); "
+        f"print(int(ray.cluster_resources().get('CPU', 0)))"
+    )
     while True:
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
         if out.returncode == 0 and out.stdout.strip().splitlines()[-1] == str(cpus):
@@ -71,24 +83,37 @@ def test_two_nodes_checkpoint_then_resume_on_one(tiny_model, tmp_path):
     address = f"127.0.0.1:{port}"
     temp = Path(tempfile.mkdtemp(prefix="rmn-", dir="/tmp"))  # Ray's socket paths must stay short
     storage = tmp_path / "pvc"
-    sets = {"train.epochs": 1, "train.max_steps_per_epoch": 8, "checkpoint.every_steps": 2, "train.log_every_steps": 1,
-            "deepspeed.zero_optimization.stage": 3}
+    sets = {
+        "train.epochs": 1,
+        "train.max_steps_per_epoch": 8,
+        "checkpoint.every_steps": 2,
+        "train.log_every_steps": 1,
+        "deepspeed.zero_optimization.stage": 3,
+    }
     with ExitStack() as stack:
-        head = Node(["--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={temp}"],
-                    tmp_path / "head.log", env)
+        head = Node(
+            ["--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={temp}"],
+            tmp_path / "head.log",
+            env,
+        )
         stack.callback(shutil.rmtree, temp, ignore_errors=True)
         stack.callback(head.stop)
         wait_for_cpus(address, 0, env, [head])
         pods = []
         for name in ("pod-a", "pod-b"):
-            pod = Node([f"--address={address}", "--num-cpus=1", f'--resources={{"{name}": 1}}'], tmp_path / f"{name}.log", env)
+            pod = Node(
+                [f"--address={address}", "--num-cpus=1", f'--resources={{"{name}": 1}}'], tmp_path / f"{name}.log", env
+            )
             stack.callback(pod.stop)
             pods.append(pod)
         wait_for_cpus(address, 2, env, [head, *pods])
 
         # 2 workers of 1 CPU each, the head has none: one worker per node, by construction.
-        first = run_cli("train", *tiny_overrides(storage, "multinode", tiny_model, **sets, **{"train.stop_after_steps": 4}),
-                        env={**env, "RAY_ADDRESS": address})
+        first = run_cli(
+            "train",
+            *tiny_overrides(storage, "multinode", tiny_model, **sets, **{"train.stop_after_steps": 4}),
+            env={**env, "RAY_ADDRESS": address},
+        )
         log1 = first.stdout + first.stderr
         assert first.returncode == 0, log1[-6000:]
         assert "from scratch" in log1
@@ -99,8 +124,11 @@ def test_two_nodes_checkpoint_then_resume_on_one(tiny_model, tmp_path):
 
         pods[1].stop()  # one "pod" is gone: the redeploy has one node of capacity
         wait_for_cpus(address, 1, env, [head, pods[0]])
-        second = run_cli("train", *tiny_overrides(storage, "multinode", tiny_model, **sets, **{"scaling.num_workers": 1}),
-                         env={**env, "RAY_ADDRESS": address})
+        second = run_cli(
+            "train",
+            *tiny_overrides(storage, "multinode", tiny_model, **sets, **{"scaling.num_workers": 1}),
+            env={**env, "RAY_ADDRESS": address},
+        )
         log2 = second.stdout + second.stderr
         assert second.returncode == 0, log2[-6000:]
         assert "written by 2 workers" in log2 and "gradient_accumulation_steps 1 -> 2" in log2, log2[-4000:]

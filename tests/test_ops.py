@@ -14,43 +14,97 @@ import socket
 import threading
 
 import pytest
+from conftest import run_cli
+from fake_k8s import FakeKube
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from app import cli, kube, ops
-from conftest import run_cli
-from fake_k8s import FakeKube
 
 NS = "ml"
-SERVER_FIELDS = ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp",
-                 "deletionGracePeriodSeconds", "managedFields", "finalizers")
-PROGRESS = {"step": 40, "total_steps": 100, "epoch": 0, "loss": 2.3141, "eval_loss": 2.41, "tokens_per_s_per_gpu": 1234.5,
-            "eta_s": 310.0, "last_checkpoint": "/mnt/checkpoints/exp1/checkpoints/step-00000040",
-            "last_checkpoint_step": 40, "world_size": 4, "resumed_from": None, "updated_at": "2026-11-30T03:00:00Z"}
-RUNNING = {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running", "rayClusterName": "exp1-raycluster-x7k2p",
-           "jobId": "exp1-abcde", "startTime": "2026-11-30T02:00:00Z", "failed": 1, "succeeded": 0}
-FAILED = {"jobStatus": "FAILED", "jobDeploymentStatus": "Failed", "rayClusterName": "exp1-raycluster-x7k2p",
-          "startTime": "2026-11-30T02:00:00Z", "endTime": "2026-11-30T03:00:00Z", "failed": 3, "succeeded": 0,
-          "reason": "AppFailed", "message": "Job entrypoint command failed with exit code 1"}
-SUCCEEDED = {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete", "rayClusterName": "exp1-raycluster-x7k2p",
-             "startTime": "2026-11-30T02:00:00Z", "endTime": "2026-11-30T04:00:00Z", "succeeded": 1, "failed": 0}
+SERVER_FIELDS = (
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "managedFields",
+    "finalizers",
+)
+PROGRESS = {
+    "step": 40,
+    "total_steps": 100,
+    "epoch": 0,
+    "loss": 2.3141,
+    "eval_loss": 2.41,
+    "tokens_per_s_per_gpu": 1234.5,
+    "eta_s": 310.0,
+    "last_checkpoint": "/mnt/checkpoints/exp1/checkpoints/step-00000040",
+    "last_checkpoint_step": 40,
+    "world_size": 4,
+    "resumed_from": None,
+    "updated_at": "2026-11-30T03:00:00Z",
+}
+RUNNING = {
+    "jobStatus": "RUNNING",
+    "jobDeploymentStatus": "Running",
+    "rayClusterName": "exp1-raycluster-x7k2p",
+    "jobId": "exp1-abcde",
+    "startTime": "2026-11-30T02:00:00Z",
+    "failed": 1,
+    "succeeded": 0,
+}
+FAILED = {
+    "jobStatus": "FAILED",
+    "jobDeploymentStatus": "Failed",
+    "rayClusterName": "exp1-raycluster-x7k2p",
+    "startTime": "2026-11-30T02:00:00Z",
+    "endTime": "2026-11-30T03:00:00Z",
+    "failed": 3,
+    "succeeded": 0,
+    "reason": "AppFailed",
+    "message": "Job entrypoint command failed with exit code 1",
+}
+SUCCEEDED = {
+    "jobStatus": "SUCCEEDED",
+    "jobDeploymentStatus": "Complete",
+    "rayClusterName": "exp1-raycluster-x7k2p",
+    "startTime": "2026-11-30T02:00:00Z",
+    "endTime": "2026-11-30T04:00:00Z",
+    "succeeded": 1,
+    "failed": 0,
+}
 
 
 def rayjob(name: str = "exp1", experiment: str = "exp1", progress: dict | None = None) -> dict:
     """A RayJob shaped like the chart's: own RayCluster, GPU workers, checkpoint PVC, experiment label."""
-    pod_volumes = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": f"{experiment}-checkpoints"}},
-                   {"name": "config", "configMap": {"name": f"{experiment}-config"}}]
+    pod_volumes = [
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": f"{experiment}-checkpoints"}},
+        {"name": "config", "configMap": {"name": f"{experiment}-config"}},
+    ]
     mounts = [{"name": "checkpoints", "mountPath": "/mnt/checkpoints"}, {"name": "config", "mountPath": "/config"}]
-    env = [{"name": "FINETUNE_RAYJOB_NAME", "value": name},
-           {"name": "FINETUNE_RAYJOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    env = [
+        {"name": "FINETUNE_RAYJOB_NAME", "value": name},
+        {"name": "FINETUNE_RAYJOB_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
     annotations = {"meta.helm.sh/release-name": experiment, "meta.helm.sh/release-namespace": NS}
     if progress:
         annotations[kube.PROGRESS_ANNOTATION] = json.dumps(progress)
     return {
-        "apiVersion": "ray.io/v1", "kind": "RayJob",
-        "metadata": {"name": name, "namespace": NS, "annotations": annotations,
-                     "labels": {kube.EXPERIMENT_LABEL: experiment, "app.kubernetes.io/name": "ray-deepspeed-finetune",
-                                "app.kubernetes.io/instance": experiment, "app.kubernetes.io/managed-by": "Helm"}},
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "annotations": annotations,
+            "labels": {
+                kube.EXPERIMENT_LABEL: experiment,
+                "app.kubernetes.io/name": "ray-deepspeed-finetune",
+                "app.kubernetes.io/instance": experiment,
+                "app.kubernetes.io/managed-by": "Helm",
+            },
+        },
         "spec": {
             "entrypoint": "finetune train /config/training.yaml",
             "backoffLimit": 2,
@@ -60,23 +114,50 @@ def rayjob(name: str = "exp1", experiment: str = "exp1", progress: dict | None =
                 "rayVersion": "2.60.0",
                 "headGroupSpec": {
                     "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
-                    "template": {"metadata": {"labels": {kube.EXPERIMENT_LABEL: experiment}}, "spec": {
-                        "serviceAccountName": f"{experiment}-progress",
-                        "containers": [{"name": "ray-head", "image": "ghcr.io/example/finetune:0.1.0", "env": env,
-                                        "resources": {"limits": {"cpu": "4", "memory": "16Gi"}}, "volumeMounts": mounts,
-                                        "ports": [{"containerPort": 8265, "name": "dashboard"}]}],
-                        "volumes": pod_volumes}},
+                    "template": {
+                        "metadata": {"labels": {kube.EXPERIMENT_LABEL: experiment}},
+                        "spec": {
+                            "serviceAccountName": f"{experiment}-progress",
+                            "containers": [
+                                {
+                                    "name": "ray-head",
+                                    "image": "ghcr.io/example/finetune:0.1.0",
+                                    "env": env,
+                                    "resources": {"limits": {"cpu": "4", "memory": "16Gi"}},
+                                    "volumeMounts": mounts,
+                                    "ports": [{"containerPort": 8265, "name": "dashboard"}],
+                                }
+                            ],
+                            "volumes": pod_volumes,
+                        },
+                    },
                 },
-                "workerGroupSpecs": [{
-                    "groupName": "gpu", "replicas": 2, "minReplicas": 2, "maxReplicas": 2, "rayStartParams": {},
-                    "template": {"spec": {
-                        "containers": [{"name": "ray-worker", "image": "ghcr.io/example/finetune:0.1.0",
+                "workerGroupSpecs": [
+                    {
+                        "groupName": "gpu",
+                        "replicas": 2,
+                        "minReplicas": 2,
+                        "maxReplicas": 2,
+                        "rayStartParams": {},
+                        "template": {
+                            "spec": {
+                                "containers": [
+                                    {
+                                        "name": "ray-worker",
+                                        "image": "ghcr.io/example/finetune:0.1.0",
                                         "resources": {"limits": {"nvidia.com/gpu": 1, "cpu": "8", "memory": "64Gi"}},
-                                        "volumeMounts": mounts}],
-                        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                        "nodeSelector": {"nvidia.com/gpu.present": "true"},
-                        "volumes": pod_volumes}},
-                }],
+                                        "volumeMounts": mounts,
+                                    }
+                                ],
+                                "tolerations": [
+                                    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+                                ],
+                                "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                                "volumes": pod_volumes,
+                            }
+                        },
+                    }
+                ],
             },
         },
     }
@@ -122,7 +203,12 @@ def test_status_running_shows_state_and_progress(fake, capsys):
     assert code == 0 and doc["state"] == "running" and doc["namespace"] == NS
     (job,) = doc["rayjobs"]
     assert job["progress"] == PROGRESS
-    assert (job["jobStatus"], job["jobDeploymentStatus"], job["failed"], job["backoffLimit"]) == ("RUNNING", "Running", 1, 2)
+    assert (job["jobStatus"], job["jobDeploymentStatus"], job["failed"], job["backoffLimit"]) == (
+        "RUNNING",
+        "Running",
+        1,
+        2,
+    )
     lists = [r for r in fake.requests if r["method"] == "GET" and r["path"].endswith("/rayjobs")]
     assert lists[-1]["query"]["labelSelector"] == [f"{kube.EXPERIMENT_LABEL}=exp1"]
 
@@ -154,13 +240,16 @@ def test_status_missing_exits_2(fake, capsys):
     assert code == 2 and json.loads(out)["rayjobs"] == [] and "namespace elsewhere" in one_line(err)
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("forbidden", "forbidden (403"),
-    ("unauthorized", "rejected the credentials (401"),
-    ("no-crd", "KubeRay operator and its CRDs"),
-    ("down", "connection refused"),
-    ("silent", "did not answer in time"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("forbidden", "forbidden (403"),
+        ("unauthorized", "rejected the credentials (401"),
+        ("no-crd", "KubeRay operator and its CRDs"),
+        ("down", "connection refused"),
+        ("silent", "did not answer in time"),
+    ],
+)
 def test_status_api_errors_are_one_line(fake, capsys, monkeypatch, tmp_path, case, expected):
     if case in ("forbidden", "unauthorized", "no-crd"):
         fake.mode = case
@@ -226,7 +315,10 @@ def test_resume_recreates_the_same_spec(fake, capsys, tmp_path):
     delete = next(r for r in fake.requests if r["method"] == "DELETE")
     options = json.loads(delete["body"])
     assert options["propagationPolicy"] == "Foreground"  # its RayCluster goes before it
-    assert options["preconditions"] == {"uid": before["metadata"]["uid"], "resourceVersion": before["metadata"]["resourceVersion"]}
+    assert options["preconditions"] == {
+        "uid": before["metadata"]["uid"],
+        "resourceVersion": before["metadata"]["resourceVersion"],
+    }
     post = next(r for r in fake.requests if r["method"] == "POST")
     assert post["code"] == 201 and post["time"] > delete["time"] + 0.25  # waited for the finalizers
     assert not any(r["code"] == 409 for r in fake.requests)
@@ -282,13 +374,29 @@ def test_resume_when_create_is_refused_keeps_the_spec(fake, capsys, tmp_path):
 # logs
 def test_logs_of_submitter_head_and_follow(fake, capsys):
     fake.add_rayjob(rayjob(), status=RUNNING)
-    fake.add_pod(NS, "exp1-old", {"batch.kubernetes.io/job-name": "exp1"}, ["ray-job-submitter"],
-                 {"ray-job-submitter": "old attempt\n"}, created="2026-11-30T01:00:00Z")
-    fake.add_pod(NS, "exp1-new", {"batch.kubernetes.io/job-name": "exp1"}, ["ray-job-submitter"],
-                 {"ray-job-submitter": "".join(f"step {i}/100 loss 2.0\n" for i in range(1, 6))},
-                 created="2026-11-30T02:00:00Z")
-    fake.add_pod(NS, "exp1-raycluster-x7k2p-head-abc", {"ray.io/cluster": "exp1-raycluster-x7k2p", "ray.io/node-type": "head"},
-                 ["ray-head", "autoscaler"], {"ray-head": "Ray runtime started.\n"})
+    fake.add_pod(
+        NS,
+        "exp1-old",
+        {"batch.kubernetes.io/job-name": "exp1"},
+        ["ray-job-submitter"],
+        {"ray-job-submitter": "old attempt\n"},
+        created="2026-11-30T01:00:00Z",
+    )
+    fake.add_pod(
+        NS,
+        "exp1-new",
+        {"batch.kubernetes.io/job-name": "exp1"},
+        ["ray-job-submitter"],
+        {"ray-job-submitter": "".join(f"step {i}/100 loss 2.0\n" for i in range(1, 6))},
+        created="2026-11-30T02:00:00Z",
+    )
+    fake.add_pod(
+        NS,
+        "exp1-raycluster-x7k2p-head-abc",
+        {"ray.io/cluster": "exp1-raycluster-x7k2p", "ray.io/node-type": "head"},
+        ["ray-head", "autoscaler"],
+        {"ray-head": "Ray runtime started.\n"},
+    )
     code, out, err = finetune(capsys, "logs", "exp1")
     assert code == 0 and out.startswith("step 1/100") and "old attempt" not in out and "pod exp1-new" in err
     code, out, _ = finetune(capsys, "logs", "exp1", "-f", "--tail", "2")
@@ -333,7 +441,9 @@ def test_fake_server_semantics(fake):
 
     bad = rayjob("bad")
     bad["spec"]["backoffLimit"] = "two"
-    bad["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "8265"
+    bad["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = (
+        "8265"
+    )
     bad["spec"]["entryPoint"] = "typo"
     with pytest.raises(ApiException) as exc:
         api.create_namespaced_custom_object(*args, bad)
@@ -361,7 +471,9 @@ def test_fake_server_semantics(fake):
 
     api.delete_namespaced_custom_object(*args, "exp1", propagation_policy="Foreground")
     terminating = api.get_namespaced_custom_object(*args, "exp1")
-    assert terminating["metadata"]["deletionTimestamp"] and "foregroundDeletion" in terminating["metadata"]["finalizers"]
+    assert (
+        terminating["metadata"]["deletionTimestamp"] and "foregroundDeletion" in terminating["metadata"]["finalizers"]
+    )
     with pytest.raises(ApiException) as exc:
         api.create_namespaced_custom_object(*args, rayjob())
     assert exc.value.status == 409 and "being deleted" in json.loads(exc.value.body)["message"]
@@ -376,16 +488,18 @@ def test_fake_server_semantics(fake):
 def test_chart_rendered_rayjob_is_found_and_resumed(fake, capsys):
     """The contract with the chart: k8s/rayjob.yaml (the chart with its defaults) carries the experiment label
     these commands select on, passes the CRD schema, and survives resume unchanged."""
-    from conftest import REPO
     import yaml
+    from conftest import REPO
 
     manifest = REPO / "k8s" / "rayjob.yaml"
     if not manifest.is_file():
         pytest.skip("k8s/rayjob.yaml is not rendered yet")
     job = next(d for d in yaml.safe_load_all(manifest.read_text()) if d and d.get("kind") == "RayJob")
     experiment = (job["metadata"].get("labels") or {}).get(kube.EXPERIMENT_LABEL)
-    assert experiment, (f"k8s/rayjob.yaml has no {kube.EXPERIMENT_LABEL} label (labels: {job['metadata'].get('labels')}): "
-                        "`finetune status/logs/resume` would not find it; the chart and app/kube.py must agree")
+    assert experiment, (
+        f"k8s/rayjob.yaml has no {kube.EXPERIMENT_LABEL} label (labels: {job['metadata'].get('labels')}): "
+        "`finetune status/logs/resume` would not find it; the chart and app/kube.py must agree"
+    )
     job["metadata"]["namespace"] = NS
     before = fake.add_rayjob(job, status=FAILED)
     code, out, _ = finetune(capsys, "status", experiment)

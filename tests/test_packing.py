@@ -18,8 +18,7 @@ EOS = 0
 
 
 def test_packed_batch_restarts_positions_and_masks_cross_document_targets():
-    ids = torch.tensor([[5, 6, EOS, 7, 8, 9, EOS, 4],
-                        [3, EOS, EOS, 2, 2, 2, 2, 2]])
+    ids = torch.tensor([[5, 6, EOS, 7, 8, 9, EOS, 4], [3, EOS, EOS, 2, 2, 2, 2, 2]])
     b = data.packed_batch(ids, ids.clone(), EOS)
     assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 0, 1, 2, 3, 4]]
     starts = b["position_ids"] == 0
@@ -38,7 +37,9 @@ def test_collator_only_when_packed_documents_are_kept_apart():
 
 def test_cpu_keeps_sdpa():
     # On CPUs the model keeps SDPA, which builds a block-diagonal mask from the per-document position ids.
-    assert attention_kernel(ModelConfig(), separate_documents=True) == ("sdpa" if not torch.cuda.is_available() else "finetune_varlen")
+    assert attention_kernel(ModelConfig(), separate_documents=True) == (
+        "sdpa" if not torch.cuda.is_available() else "finetune_varlen"
+    )
     assert attention_kernel(ModelConfig(), separate_documents=False) == "sdpa"
 
 
@@ -57,8 +58,15 @@ def build(arch: str, tiny_model, vocab: int, tmp_path):
     torch.manual_seed(0)
     if arch == "gpt2":
         return load_model(ModelConfig(name_or_path=str(tiny_model)), {}, separate_documents=True)
-    LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ).save_pretrained(tmp_path)
     return load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}"), {}, separate_documents=True)
 
 
@@ -80,7 +88,7 @@ def test_packed_losses_equal_each_document_run_alone(tiny_model, tmp_path, arch)
                 continue
             doc = batch["input_ids"][row, lo:hi][None]
             alone = per_token_losses(model, {"input_ids": doc, "labels": doc})[0]
-            torch.testing.assert_close(packed[row, lo:hi - 1], alone, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(packed[row, lo : hi - 1], alone, rtol=1e-4, atol=1e-4)
             compared += hi - lo - 1
     assert compared > 200
     # Not vacuous: the same blocks with today's concatenation (no position ids) give other losses.

@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
+from conftest import run_cli
+from k8s_support import render
 
 from app import preemption
 from app.lease import Lease
-from conftest import run_cli
-from k8s_support import render
 
 
 def test_notice_is_for_one_run_and_cleared_by_the_next(tmp_path):
@@ -78,8 +78,9 @@ def test_preempt_command_stops_waiting_for_a_run_that_died(tmp_path):
     subprocess.run([sys.executable, "-c", holder, str(tmp_path)], check=True, timeout=60)
     t0 = time.monotonic()
     out = run_cli("preempt", str(tmp_path), "--wait", "120", timeout=180)
-    assert out.returncode == 0 and "which has ended: it resumes from its last complete" in out.stdout, \
+    assert out.returncode == 0 and "which has ended: it resumes from its last complete" in out.stdout, (
         out.stdout + out.stderr
+    )
     assert time.monotonic() - t0 < 60
 
 
@@ -128,8 +129,9 @@ def test_the_sigterm_route_holds_only_while_the_loop_runs(monkeypatch):
     (Ray stops finished workers with SIGTERM), Ray's handler exits the worker as before, with no preemption log."""
     import ray._private.worker as ray_worker
 
-    monkeypatch.setattr(ray_worker, "raise_sys_exit_with_custom_error_message",
-                        ray_worker.raise_sys_exit_with_custom_error_message)  # restored after the test
+    monkeypatch.setattr(
+        ray_worker, "raise_sys_exit_with_custom_error_message", ray_worker.raise_sys_exit_with_custom_error_message
+    )  # restored after the test
     monkeypatch.setattr(preemption, "_requested", threading.Event())
     stop = threading.Event()
     loop = threading.Thread(target=stop.wait)

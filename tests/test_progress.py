@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from app.progress import ANNOTATION, FIELDS, ProgressPublisher
 from conftest import run_cli, tiny_overrides
 from fake_k8s import FakeKube
 from test_ops import NS, rayjob
 
+from app.progress import ANNOTATION, FIELDS, ProgressPublisher
 
 
 @pytest.fixture
@@ -52,7 +51,11 @@ def wait_for(predicate, timeout: float = 5.0):
 
 
 def progress_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.getMessage().startswith("progress:")]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.getMessage().startswith("progress:")
+    ]
 
 
 def test_from_env(monkeypatch, fake):
@@ -71,10 +74,24 @@ def test_from_env(monkeypatch, fake):
 def test_publishes_every_interval_and_at_once_when_forced(fake):
     p = ProgressPublisher("exp1", NS, interval_s=0.2)
     try:
-        p.update({"step": 1, "total_steps": 10, "epoch": 0, "loss": 2.0, "tokens_per_s_per_gpu": 1000.123456789,
-                  "eta_s": 9.0, "world_size": 2, "resumed_from": None})
+        p.update(
+            {
+                "step": 1,
+                "total_steps": 10,
+                "epoch": 0,
+                "loss": 2.0,
+                "tokens_per_s_per_gpu": 1000.123456789,
+                "eta_s": 9.0,
+                "world_size": 2,
+                "resumed_from": None,
+            }
+        )
         first = wait_for(lambda: published(fake))
-        assert first["step"] == 1 and first["tokens_per_s_per_gpu"] == 1000.12 and re.match(r"\d{4}-\d\d-\d\dT.*Z$", first["updated_at"])
+        assert (
+            first["step"] == 1
+            and first["tokens_per_s_per_gpu"] == 1000.12
+            and re.match(r"\d{4}-\d\d-\d\dT.*Z$", first["updated_at"])
+        )
         p.update({"step": 2, "loss": float("nan")})  # merged into the record; NaN is not JSON
         assert wait_for(lambda: (published(fake) or {}).get("step") == 2)
         rec = published(fake)
@@ -102,7 +119,9 @@ def test_patch_touches_only_its_annotation(fake):
     after = fake.rayjob(NS, "exp1")
     assert after["spec"] == before["spec"] and after["status"] == before["status"]
     assert after["metadata"]["labels"] == before["metadata"]["labels"]
-    assert {k: v for k, v in after["metadata"]["annotations"].items() if k != ANNOTATION} == before["metadata"]["annotations"]
+    assert {k: v for k, v in after["metadata"]["annotations"].items() if k != ANNOTATION} == before["metadata"][
+        "annotations"
+    ]
     assert after["metadata"]["generation"] == before["metadata"]["generation"]
     assert int(after["metadata"]["resourceVersion"]) > int(before["metadata"]["resourceVersion"])
     patches = [r for r in fake.requests if r["method"] == "PATCH"]
@@ -155,18 +174,28 @@ def test_unreachable_api_never_raises_or_blocks(fake, caplog, monkeypatch, tmp_p
     assert time.monotonic() - t0 < 1.5
     warnings = progress_warnings(caplog)
     assert len(warnings) == 1, warnings
-    expected = {"closed port": "connection refused", "silent server": "did not answer in time",
-                "no credentials": "no Kubernetes credentials", "missing rayjob": "not found (404"}[where]
+    expected = {
+        "closed port": "connection refused",
+        "silent server": "did not answer in time",
+        "no credentials": "no Kubernetes credentials",
+        "missing rayjob": "not found (404",
+    }[where]
     assert expected in warnings[0]
     if silent:
         silent.close()
 
 
 # End to end: real local CPU training pointed at the fake API server.
-def train(tiny_model: Path, tmp_path: Path, name: str, steps: int, every: int, ends_at: int | None = None,
-          **extra) -> str:
-    env = {"KUBECONFIG": os.environ["KUBECONFIG"], "FINETUNE_RAYJOB_NAME": "exp1", "FINETUNE_RAYJOB_NAMESPACE": NS,
-           "FINETUNE_PROGRESS_INTERVAL_S": "0.5", "KUBERNETES_SERVICE_HOST": ""}
+def train(
+    tiny_model: Path, tmp_path: Path, name: str, steps: int, every: int, ends_at: int | None = None, **extra
+) -> str:
+    env = {
+        "KUBECONFIG": os.environ["KUBECONFIG"],
+        "FINETUNE_RAYJOB_NAME": "exp1",
+        "FINETUNE_RAYJOB_NAMESPACE": NS,
+        "FINETUNE_PROGRESS_INTERVAL_S": "0.5",
+        "KUBERNETES_SERVICE_HOST": "",
+    }
     values = {"train.epochs": 1, "train.max_steps_per_epoch": steps, "checkpoint.every_steps": every, **extra}
     r = run_cli("train", *tiny_overrides(tmp_path / "storage", name, tiny_model, **values), env=env, timeout=300)
     output = r.stdout + r.stderr
@@ -181,11 +210,16 @@ def test_training_publishes_progress_on_its_rayjob(fake, tiny_model, tmp_path):
     assert final["step"] == final["total_steps"] == 6
     assert final["world_size"] == 2 and final["epoch"] in (0, 1) and final["loss"] > 0 and final["eta_s"] >= 0
     assert final["tokens_per_s_per_gpu"] > 0 and final["resumed_from"] is None
-    assert final["last_checkpoint_step"] == 6 and final["last_checkpoint"].endswith("progress-e2e/checkpoints/step-00000006")
+    assert final["last_checkpoint_step"] == 6 and final["last_checkpoint"].endswith(
+        "progress-e2e/checkpoints/step-00000006"
+    )
     assert set(final) <= set(FIELDS)
     # Published during the run, not only at the end: several PATCHes carrying different steps and checkpoints.
-    records = [json.loads(json.loads(r["body"])["metadata"]["annotations"][ANNOTATION])
-               for r in fake.requests if r["method"] == "PATCH" and r["code"] == 200]
+    records = [
+        json.loads(json.loads(r["body"])["metadata"]["annotations"][ANNOTATION])
+        for r in fake.requests
+        if r["method"] == "PATCH" and r["code"] == 200
+    ]
     assert len({rec.get("step") for rec in records}) >= 3, records
     assert {rec.get("last_checkpoint_step") for rec in records} >= {3, 6}
     assert "progress: cannot" not in output
@@ -231,7 +265,10 @@ def test_checkpoint_line_says_whether_training_waited_for_the_write(tmp_path, ca
         m.checkpoint(tmp_path / "step-20", 20, stall_s=11.6, total_s=11.6, background=True)  # the last save
         m.checkpoint(tmp_path / "step-20", 20, stall_s=9.4, total_s=9.4, background=False)
     lines = [r.getMessage().split("(", 1)[1] for r in caplog.records if "checkpoint saved" in r.getMessage()]
-    assert lines == ["training waited 0.18 s, written in the background in 11.60 s)", "written in 11.60 s)",
-                     "written in 9.40 s)"]
+    assert lines == [
+        "training waited 0.18 s, written in the background in 11.60 s)",
+        "written in 11.60 s)",
+        "written in 9.40 s)",
+    ]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["stall_s"] for r in records if r["kind"] == "checkpoint"] == [0.18, 11.6, 9.4]

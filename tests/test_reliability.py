@@ -21,13 +21,18 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import CLI_ENV, REPO, losses, run_cli, tiny_overrides
 
 # 8 steps: checkpoints at 2, 4 (end of epoch 0), 6 and 8. A short lease timeout lets a redeploy after a kill take
 # over the dead run's lease within seconds (the default is 120 s).
-BASE = {"train.epochs": 2, "train.max_steps_per_epoch": 4, "checkpoint.every_steps": 2, "model.dropout": 0.1,
-        "train.log_every_steps": 1, "experiment.lease_timeout_s": 3}
+BASE = {
+    "train.epochs": 2,
+    "train.max_steps_per_epoch": 4,
+    "checkpoint.every_steps": 2,
+    "model.dropout": 0.1,
+    "train.log_every_steps": 1,
+    "experiment.lease_timeout_s": 3,
+}
 EXACT = 1e-6  # resumed losses vs the uninterrupted run's (they are in fact bit-identical)
 
 
@@ -44,9 +49,14 @@ def train(storage: Path, name: str, model: Path, env: dict | None = None, expect
 def start(storage: Path, name: str, model: Path, log: Path, env: dict | None = None, **sets) -> subprocess.Popen:
     """`finetune train` in a session of its own, so that the whole run (driver, Ray, workers) can be killed."""
     args = tiny_overrides(storage, name, model, **{**BASE, **sets})
-    return subprocess.Popen([sys.executable, "-m", "app.cli", "train", *args], cwd=REPO,
-                            env={**os.environ, **CLI_ENV, **(env or {})}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "train", *args],
+        cwd=REPO,
+        env={**os.environ, **CLI_ENV, **(env or {})},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def wait_until(predicate, proc: subprocess.Popen | None, log: Path | None, timeout: float = 420, what: str = ""):
@@ -103,7 +113,11 @@ def copy_experiment(src_storage: Path, name: str, dst_storage: Path) -> Path:
 
 
 def resumed_line(out: str) -> re.Match:
-    m = re.search(r"resumed from (\S+) \((registered by Ray|complete, newer than Ray's latest|fallback)\) at global step (\d+) [^;]*; (.*)", out)
+    m = re.search(
+        r"resumed from (\S+) \((registered by Ray|complete, newer than Ray's latest|fallback)\) at global step "
+        r"(\d+) [^;]*; (.*)",
+        out,
+    )
     assert m, out[-6000:]
     return m
 
@@ -128,8 +142,13 @@ def kill_mid_save(storage: Path, name: str, model: Path, phase: str, step: int =
     try:
         wait_until(lambda: (run_dir / f".fault-paused-{phase}-{step}").exists(), proc, log, what=f"the {phase} pause")
         # The save before this one must be registered by Ray, or the kill would test something else.
-        wait_until(lambda: f"step-{step - 2:08d}" in registered(run_dir), proc, log, timeout=60,
-                   what=f"Ray registering step-{step - 2:08d}")
+        wait_until(
+            lambda: f"step-{step - 2:08d}" in registered(run_dir),
+            proc,
+            log,
+            timeout=60,
+            what=f"Ray registering step-{step - 2:08d}",
+        )
         if phase == "mid_shards":  # rank 0 wrote its shards, rank 1 not its optimizer shard
             ds = run_dir / "checkpoints" / f"step-{step:08d}" / "ds"
             wait_until(lambda: any(ds.glob("*rank_0*optim_states.pt")), proc, log, timeout=60, what="rank 0's shards")
@@ -168,9 +187,14 @@ def test_worker_sigkill_restarts_group_and_matches_uninterrupted_run(baseline, t
     from safetensors.torch import load_file
 
     log, run_dir = tmp_path / "crash.log", tmp_path / "crash"
-    proc = start(tmp_path, "crash", tiny_model, log, env={"FINETUNE_FAULT_KILL_AT_STEP": "7",
-                                                          "FINETUNE_FAULT_SAVE_PAUSE": "mid_shards:600:6"},
-                 **{"scaling.max_failures": 1, "checkpoint.export_final": True})
+    proc = start(
+        tmp_path,
+        "crash",
+        tiny_model,
+        log,
+        env={"FINETUNE_FAULT_KILL_AT_STEP": "7", "FINETUNE_FAULT_SAVE_PAUSE": "mid_shards:600:6"},
+        **{"scaling.max_failures": 1, "checkpoint.export_final": True},
+    )
     try:
         wait_until(lambda: (run_dir / ".fault-killed-step-7").exists(), proc, log, what="the kill after step 7")
         (run_dir / ".fault-continue-mid_shards-6").touch()  # the restarted attempt's own step-6 save goes through
@@ -198,8 +222,9 @@ def test_worker_sigkill_restarts_group_and_matches_uninterrupted_run(baseline, t
 # --- 2. the driver dies while a checkpoint is being written ------------------------------------------------
 
 
-def check_resume_after_mid_save_kill(storage: Path, name: str, baseline: Path, model: Path, step: int = 6,
-                                     complete: bool = False) -> str:
+def check_resume_after_mid_save_kill(
+    storage: Path, name: str, baseline: Path, model: Path, step: int = 6, complete: bool = False
+) -> str:
     """The redeploy after a kill while step `step` was being saved: from `step` itself when that checkpoint was
     complete on storage (Ray never registered it), else from the registered step before it, with the partial
     folder removed; either way the losses from there on match the uninterrupted run's."""
@@ -207,8 +232,9 @@ def check_resume_after_mid_save_kill(storage: Path, name: str, baseline: Path, m
     run_dir = storage / name
     # The dead driver's lease: taken over at once (its process on this host is gone) or, when the redeploy comes
     # later than lease_timeout_s (3 s here), as stale; tests/test_lease_takeover.py covers the at-once path.
-    assert re.search(r"took over the lease of a run that (ran as pid \d+ on this host|stopped heart-beating)",
-                     out), out[-6000:]
+    assert re.search(r"took over the lease of a run that (ran as pid \d+ on this host|stopped heart-beating)", out), (
+        out[-6000:]
+    )
     m = resumed_line(out)
     if complete:
         assert m[2] == "complete, newer than Ray's latest" and Path(m[1]).name == f"step-{step:08d}", m[0]
@@ -290,13 +316,23 @@ def test_wait_mode_waits_for_the_holder_then_takes_the_lease(tmp_path, tiny_mode
     holder = Lease(run_dir, timeout_s=60, on_lost=lambda *_: None).acquire()
     proc = start(tmp_path, "waiter", tiny_model, log, **{"experiment.on_conflict": "wait"})
     try:
-        wait_until(lambda: "waiting for the lease" in log.read_text(errors="replace"), proc, log, timeout=180,
-                   what="the wait message")
+        wait_until(
+            lambda: "waiting for the lease" in log.read_text(errors="replace"),
+            proc,
+            log,
+            timeout=180,
+            what="the wait message",
+        )
         time.sleep(2)
         assert proc.poll() is None and not (run_dir / "checkpoints").exists()
         holder.release()
-        wait_until(lambda: Lease(run_dir, 60).read()[0] and Lease(run_dir, 60).read()[0].get("pid") == proc.pid,
-                   proc, log, timeout=60, what="the lease")
+        wait_until(
+            lambda: Lease(run_dir, 60).read()[0] and Lease(run_dir, 60).read()[0].get("pid") == proc.pid,
+            proc,
+            log,
+            timeout=60,
+            what="the lease",
+        )
     finally:
         holder.release()
         left = kill_run(proc)
@@ -413,8 +449,16 @@ def test_contenders_racing_for_a_stale_lease_exactly_one_wins(round_, tmp_path):
     (tmp_path / ".lease").write_text(json.dumps({"token": "dead", "host": "gone", "pid": 1}))
     _stale(tmp_path / ".lease")
     go = time.time() + 2
-    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), str(go)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(6)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, str(tmp_path), str(go)],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(6)
+    ]
     results = [p.communicate(timeout=60) for p in procs]
     outcomes = sorted(out.strip() for out, _ in results)
     assert outcomes == ["lost"] * 5 + ["won"], results
@@ -502,8 +546,9 @@ def test_storage_error_message(tmp_path):
     (prev / "ds").mkdir(parents=True)
     (prev / "ds" / "shard.bin").write_bytes(b"x" * 3 * 2**20)
     (prev / "trainer_state.json").write_text(json.dumps({"files": {"ds/shard.bin": 3 * 2**20}}))
-    err = checkpoint.storage_error(OSError(errno.ENOSPC, "No space left on device"),
-                                    tmp_path / "checkpoints" / "step-00000004", engine=None)
+    err = checkpoint.storage_error(
+        OSError(errno.ENOSPC, "No space left on device"), tmp_path / "checkpoints" / "step-00000004", engine=None
+    )
     text = str(err)
     assert f"cannot write checkpoint {tmp_path}/checkpoints/step-00000004" in text and "is full" in text
     assert "needs about 3.0 MiB" in text and "free there" in text and "step-00000002 is intact" in text
@@ -544,7 +589,10 @@ def test_resume_on_another_number_of_workers(stage, killed, baseline, tmp_path, 
     two = train(tmp_path, name, tiny_model, **zero)
     check_world_change(two, 6, 1, 2, "the global batch stays 8 sequences")
     got = losses(tmp_path / name)
-    assert sorted(got) == list(range(1, 9)) and all(abs(full[k] - got[k]) <= WORLD_TOL for k in range(5, 9)), (full, got)
+    assert sorted(got) == list(range(1, 9)) and all(abs(full[k] - got[k]) <= WORLD_TOL for k in range(5, 9)), (
+        full,
+        got,
+    )
 
 
 def test_world_change_that_cannot_keep_the_global_batch_is_refused(killed, tmp_path, tiny_model):
@@ -684,44 +732,142 @@ def test_plan_resume_decisions(tmp_path):
 # --- 7. hostile input to `finetune validate` ----------------------------------------------------------------
 
 
-HOSTILE = ["../../escape", "../x", "/", "/proc/self", "a/../../b", "~", "~root/x", "..", ".", "\x00", "a\x00b",
-           "a" * 5000, "x/" * 3000, "-rf", "${HOME}", "%2e%2e/", "step-00000001", "con:", "*", "[", "|", "{a: 1}",
-           "[1, 2]", "!!python/object/apply:os.system ['true']", "null", "1e999", "-1", "0", "true", "auto",
-           "{stage: 9}", "{type: x}", "{params: 3}", "{type: AdamW, params: [1]}", "'quoted'", "\"", "é", "\n", "",
-           "x", "3.5", "[[[", "{{", "&a [*a]", "2024-01-01", "!!binary aGk=", "!!set {a}", ".nan", "-.inf"]
+HOSTILE = [
+    "../../escape",
+    "../x",
+    "/",
+    "/proc/self",
+    "a/../../b",
+    "~",
+    "~root/x",
+    "..",
+    ".",
+    "\x00",
+    "a\x00b",
+    "a" * 5000,
+    "x/" * 3000,
+    "-rf",
+    "${HOME}",
+    "%2e%2e/",
+    "step-00000001",
+    "con:",
+    "*",
+    "[",
+    "|",
+    "{a: 1}",
+    "[1, 2]",
+    "!!python/object/apply:os.system ['true']",
+    "null",
+    "1e999",
+    "-1",
+    "0",
+    "true",
+    "auto",
+    "{stage: 9}",
+    "{type: x}",
+    "{params: 3}",
+    "{type: AdamW, params: [1]}",
+    "'quoted'",
+    '"',
+    "é",
+    "\n",
+    "",
+    "x",
+    "3.5",
+    "[[[",
+    "{{",
+    "&a [*a]",
+    "2024-01-01",
+    "!!binary aGk=",
+    "!!set {a}",
+    ".nan",
+    "-.inf",
+]
 
 
 def test_validate_fuzz(tmp_path_factory, tiny_model):
     """Random, malformed and hostile configs and --set values: `finetune validate` always ends with exit 0 or
     2 and a message, never a traceback, and writes nothing anywhere under the sandbox (traversal included)."""
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     from app import cli
 
     root = tmp_path_factory.mktemp("fuzz")
     sandbox = root / "l1" / "l2" / "l3" / "sandbox"  # deep enough that ../.. traversals stay under root
     sandbox.mkdir(parents=True)
-    keys = ["experiment.name", "experiment.storage_path", "model.name_or_path", "model.tokenizer", "data.dataset",
-            "data.split", "data.seq_length", "train.epochs", "train.micro_batch_size", "train.learning_rate",
-            "train.gradient_accumulation_steps", "scaling.num_workers", "scaling.use_gpu", "checkpoint.keep",
-            "deepspeed.zero_optimization", "deepspeed.zero_optimization.stage", "deepspeed.bf16", "deepspeed.optimizer",
-            "deepspeed.train_batch_size", "deepspeed", "experiment", "train", "nope.nothing", "experiment.lease_timeout_s"]
+    keys = [
+        "experiment.name",
+        "experiment.storage_path",
+        "model.name_or_path",
+        "model.tokenizer",
+        "data.dataset",
+        "data.split",
+        "data.seq_length",
+        "train.epochs",
+        "train.micro_batch_size",
+        "train.learning_rate",
+        "train.gradient_accumulation_steps",
+        "scaling.num_workers",
+        "scaling.use_gpu",
+        "checkpoint.keep",
+        "deepspeed.zero_optimization",
+        "deepspeed.zero_optimization.stage",
+        "deepspeed.bf16",
+        "deepspeed.optimizer",
+        "deepspeed.train_batch_size",
+        "deepspeed",
+        "experiment",
+        "train",
+        "nope.nothing",
+        "experiment.lease_timeout_s",
+    ]
     hostile = st.sampled_from([h for h in HOSTILE if h not in ("/", "~", "/proc/self")])
-    scalar = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
-                       st.text(max_size=30), hostile)
-    doc = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.one_of(st.sampled_from(keys + ["stage", "enabled",
-                                                                       "params", "name", "storage_path"]), st.text(max_size=8)),
-                                                                       inner, max_size=5)), max_leaves=12)
-    top = st.one_of(st.dictionaries(st.sampled_from(["experiment", "model", "data", "train", "checkpoint", "scaling",
-                                                     "deepspeed", "other"]), doc, max_size=6), doc)
-    value = st.one_of(hostile, st.text(max_size=20), st.integers(-10**6, 10**6).map(str),
-                      st.builds(lambda d: json.dumps(d, default=str), doc))
-    override = st.one_of(st.builds(lambda k, v: f"{k}={v}", st.sampled_from(keys), value),
-                         st.builds(lambda k, v: f"{k}={v}", st.text(max_size=12), value), hostile)
+    scalar = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(10**12), 10**12),
+        st.floats(allow_nan=True),
+        st.text(max_size=30),
+        hostile,
+    )
+    doc = st.recursive(
+        scalar,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=4),
+            st.dictionaries(
+                st.one_of(
+                    st.sampled_from(keys + ["stage", "enabled", "params", "name", "storage_path"]), st.text(max_size=8)
+                ),
+                inner,
+                max_size=5,
+            ),
+        ),
+        max_leaves=12,
+    )
+    top = st.one_of(
+        st.dictionaries(
+            st.sampled_from(["experiment", "model", "data", "train", "checkpoint", "scaling", "deepspeed", "other"]),
+            doc,
+            max_size=6,
+        ),
+        doc,
+    )
+    value = st.one_of(
+        hostile,
+        st.text(max_size=20),
+        st.integers(-(10**6), 10**6).map(str),
+        st.builds(lambda d: json.dumps(d, default=str), doc),
+    )
+    override = st.one_of(
+        st.builds(lambda k, v: f"{k}={v}", st.sampled_from(keys), value),
+        st.builds(lambda k, v: f"{k}={v}", st.text(max_size=12), value),
+        hostile,
+    )
     # Mostly mappings (so that the values reach the deeper checks), sometimes garbage.
-    yaml_text = st.one_of(*[st.builds(lambda d: json.dumps(d, default=str), top)] * 4, st.just(""),
-                          st.text(max_size=200), hostile)
+    yaml_text = st.one_of(
+        *[st.builds(lambda d: json.dumps(d, default=str), top)] * 4, st.just(""), st.text(max_size=200), hostile
+    )
 
     def snapshot() -> set[str]:
         return {str(p) for p in root.rglob("*")}
@@ -758,8 +904,9 @@ def test_validate_fuzz(tmp_path_factory, tiny_model):
             if not (key == "data.dataset" and bad in ("/", "~", "/proc/self")):
                 validate("", [f"{key}={bad}"], True)
 
-    @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)), deadline=None, suppress_health_check=list(HealthCheck)
+    )
     @given(text=yaml_text, overrides=st.lists(override, min_size=1, max_size=4), safe=st.booleans())
     def fuzz(text, overrides, safe):
         validate(text, overrides, safe)
@@ -824,8 +971,9 @@ def test_sigterm_to_the_driver_stops_the_run_with_a_checkpoint(tmp_path, tiny_mo
     proc = start(tmp_path, "drv", tiny_model, log)
     run_dir = tmp_path / "drv"
     try:
-        wait_until(lambda: (losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}), proc, log,
-                   what="the first step")
+        wait_until(
+            lambda: losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}, proc, log, what="the first step"
+        )
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=240)
     finally:

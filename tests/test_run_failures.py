@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli, tiny_overrides
 
 STEPS = {"train.epochs": 2, "train.max_steps_per_epoch": 4, "checkpoint.every_steps": 2, "train.log_every_steps": 1}
@@ -22,13 +21,21 @@ def complete_checkpoints(run_dir: Path) -> list[str]:
 def test_error_on_one_rank_ends_the_run_within_a_minute(phase, tmp_path, tiny_model):
     """Rank 1 alone raises, while rank 0 goes on into a collective (the data barrier, or the next step's
     all-gather) that can never complete: the run still ends, exit 1, the error line naming rank 1's exception."""
-    result = run_cli("train", *tiny_overrides(tmp_path, "rank-fault", tiny_model, **STEPS),
-                     env={"FINETUNE_FAULT_RAISE": phase}, timeout=900)
+    result = run_cli(
+        "train",
+        *tiny_overrides(tmp_path, "rank-fault", tiny_model, **STEPS),
+        env={"FINETUNE_FAULT_RAISE": phase},
+        timeout=900,
+    )
     ended = time.time()
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-6000:]
-    m = re.search(r"^error: training of rank-fault failed: RuntimeError: FAULT INJECTION: rank 1 fails at "
-                  r"(data|step 3) \(at ([0-9.]+)\) \[rank 1\]$", result.stderr, re.M)
+    m = re.search(
+        r"^error: training of rank-fault failed: RuntimeError: FAULT INJECTION: rank 1 fails at "
+        r"(data|step 3) \(at ([0-9.]+)\) \[rank 1\]$",
+        result.stderr,
+        re.M,
+    )
     assert m, result.stderr[-6000:]
     assert ended - float(m.group(2)) < 60, f"the run took {ended - float(m.group(2)):.0f}s to end after the error"
     if phase.startswith("step"):

@@ -10,11 +10,11 @@ import re
 from typing import Any
 
 import pytest
-
-from app.progress import ProgressPublisher
 from fake_k8s import ApiError, FakeKube
 from k8s_support import CHART, EXAMPLE_VALUES, cluster_spec, container, helm, one, pod_templates, render
 from test_ops import NS, rayjob
+
+from app.progress import ProgressPublisher
 
 VALUE_SETS = [pytest.param([], id="defaults")] + [pytest.param([p], id=p.stem) for p in EXAMPLE_VALUES]
 
@@ -24,12 +24,16 @@ VALUE_SETS = [pytest.param([], id="defaults")] + [pytest.param([p], id=p.stem) f
 
 def allowed(rules: list[dict], verb: str, group: str, resource: str, name: str | None) -> bool:
     """Kubernetes' RBAC rule matching (rbac/v1 RuleAllows) for a namespaced resource request."""
+
     def has(values, value):
         return "*" in values or value in values
 
     for r in rules:
-        if not (has(r.get("verbs", []), verb) and has(r.get("apiGroups", []), group)
-                and has(r.get("resources", []), resource)):
+        if not (
+            has(r.get("verbs", []), verb)
+            and has(r.get("apiGroups", []), group)
+            and has(r.get("resources", []), resource)
+        ):
             continue
         names = r.get("resourceNames") or []
         if not names or (name is not None and name in names):
@@ -42,21 +46,35 @@ def test_role_is_get_and_patch_of_the_own_rayjob_only(values):
     objects = render(values)
     name = one(objects, "RayJob")["metadata"]["name"]
     role = one(objects, "Role")
-    assert role["rules"] == [{"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [name],
-                              "verbs": ["get", "patch"]}]  # progress (patch) and the lease's RayJob check (get)
+    assert role["rules"] == [
+        {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "resourceNames": [name], "verbs": ["get", "patch"]}
+    ]  # progress (patch) and the lease's RayJob check (get)
     rules = role["rules"]
     assert allowed(rules, "patch", "ray.io", "rayjobs", name) and allowed(rules, "get", "ray.io", "rayjobs", name)
-    for verb, resource, other in [("patch", "rayjobs", "someone-elses-job"), ("get", "rayjobs", "someone-elses-job"),
-                                  ("get", "pods", "exp1-head-abcde"),
-                                  ("patch", "rayjobs/status", name), ("update", "rayjobs", name),
-                                  ("list", "rayjobs", None), ("create", "rayjobs", None),
-                                  ("get", "secrets", name), ("patch", "rayclusters", name), ("list", "pods", None),
-                                  ("patch", "pods", name), ("get", "pods/log", name), ("create", "pods/exec", name)]:
+    for verb, resource, other in [
+        ("patch", "rayjobs", "someone-elses-job"),
+        ("get", "rayjobs", "someone-elses-job"),
+        ("get", "pods", "exp1-head-abcde"),
+        ("patch", "rayjobs/status", name),
+        ("update", "rayjobs", name),
+        ("list", "rayjobs", None),
+        ("create", "rayjobs", None),
+        ("get", "secrets", name),
+        ("patch", "rayclusters", name),
+        ("list", "pods", None),
+        ("patch", "pods", name),
+        ("get", "pods/log", name),
+        ("create", "pods/exec", name),
+    ]:
         assert not allowed(rules, verb, "ray.io" if "ray" in resource else "", resource, other), (verb, resource, other)
     # The binding names the release namespace (kustomize rewrites it for an overlay with `namespace:`).
     binding = one(objects, "RoleBinding")
     sa = one(objects, "ServiceAccount")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "default"}]
 
 
@@ -81,13 +99,16 @@ def test_tokens_are_mounted_only_where_used(values):
             assert "serviceAccountName" not in spec
 
 
-@pytest.mark.parametrize("sets, head_token", [
-    ([], True),
-    (["progressReporting.rbac.create=false"], False),
-    (["training.scaling.use_gpu=false", "workers.gpu.gpus=0"], True),
-    (["autoscaling.enabled=true"], True),
-    (["progressReporting.enabled=false"], False),
-])
+@pytest.mark.parametrize(
+    "sets, head_token",
+    [
+        ([], True),
+        (["progressReporting.rbac.create=false"], False),
+        (["training.scaling.use_gpu=false", "workers.gpu.gpus=0"], True),
+        (["autoscaling.enabled=true"], True),
+        (["progressReporting.enabled=false"], False),
+    ],
+)
 def test_head_token_only_when_something_there_uses_it(sets, head_token):
     templates = pod_templates(render(sets=sets))
     assert templates["head"]["spec"]["automountServiceAccountToken"] is head_token
@@ -104,8 +125,13 @@ def test_the_role_allows_what_the_progress_writer_does(tmp_path, monkeypatch):
     def authorize(method, path):
         m = re.fullmatch(r"/apis/(ray\.io)/v1/namespaces/[^/]+/(rayjobs)(?:/([^/]+))?(/status)?", path)
         group, resource, name, status = m.groups() if m else ("", path, None, None)
-        verb = {"GET": "get" if name else "list", "POST": "create", "PUT": "update", "PATCH": "patch",
-                "DELETE": "delete"}[method]
+        verb = {
+            "GET": "get" if name else "list",
+            "POST": "create",
+            "PUT": "update",
+            "PATCH": "patch",
+            "DELETE": "delete",
+        }[method]
         if not allowed(rules, verb, group, resource + (status or ""), name):
             raise ApiError(403, "Forbidden", f"{verb} {path} is forbidden by the chart's Role")
 
@@ -130,22 +156,53 @@ def test_the_role_allows_what_the_progress_writer_does(tmp_path, monkeypatch):
 # The profile's checks (Kubernetes Pod Security Standards, baseline + restricted, version "latest"), over the
 # containers, init containers and ephemeral containers of a pod spec. Returns one line per violation.
 
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                      "projected", "secret", "image"}
-BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
-                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
-SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-                "net.ipv4.tcp_keepalive_probes"}
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+    "image",
+}
+BASELINE_CAPABILITIES = {
+    "AUDIT_WRITE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "MKNOD",
+    "NET_BIND_SERVICE",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_CHROOT",
+}
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
 SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
 
 
 def restricted_violations(template: dict[str, Any]) -> list[str]:
     spec, annotations = template["spec"], (template.get("metadata") or {}).get("annotations") or {}
     pod_sc = spec.get("securityContext") or {}
-    containers = [(kind, c) for kind in ("initContainers", "containers", "ephemeralContainers")
-                  for c in spec.get(kind) or []]
+    containers = [
+        (kind, c) for kind in ("initContainers", "containers", "ephemeralContainers") for c in spec.get(kind) or []
+    ]
     out = []
 
     def bad(rule, where, detail):
@@ -169,7 +226,8 @@ def restricted_violations(template: dict[str, Any]) -> list[str]:
             bad("runAsUser", where, "0 (root)")
     for key, value in annotations.items():
         if key.startswith("container.apparmor.security.beta.kubernetes.io/") and not (
-                value == "runtime/default" or value.startswith("localhost/")):
+            value == "runtime/default" or value.startswith("localhost/")
+        ):
             bad("appArmor", "pod", f"{key}={value}")
     for sysctl in pod_sc.get("sysctls") or []:
         if sysctl["name"] not in SAFE_SYSCTLS:
@@ -197,10 +255,16 @@ def restricted_violations(template: dict[str, Any]) -> list[str]:
         if sc.get("allowPrivilegeEscalation") is not False:
             bad("allowPrivilegeEscalation", where, f"must be false, is {sc.get('allowPrivilegeEscalation')}")
         if sc.get("runAsNonRoot") is False or not (pod_non_root or sc.get("runAsNonRoot") is True):
-            bad("runAsNonRoot", where, f"must be true (pod {pod_sc.get('runAsNonRoot')}, container {sc.get('runAsNonRoot')})")
+            bad(
+                "runAsNonRoot",
+                where,
+                f"must be true (pod {pod_sc.get('runAsNonRoot')}, container {sc.get('runAsNonRoot')})",
+            )
         seccomp = (sc.get("seccompProfile") or {}).get("type")
         if not (seccomp in ("RuntimeDefault", "Localhost") or (seccomp is None and pod_seccomp)):
-            bad("seccompProfile", where, f"must be RuntimeDefault or Localhost (pod {pod_seccomp}, container {seccomp})")
+            bad(
+                "seccompProfile", where, f"must be RuntimeDefault or Localhost (pod {pod_seccomp}, container {seccomp})"
+            )
         if "ALL" not in (caps.get("drop") or []):
             bad("capabilities", where, f"must drop ALL, drops {caps.get('drop')}")
         if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
@@ -220,14 +284,29 @@ def as_created(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         containers, volumes = tpl["spec"]["containers"], tpl["spec"].setdefault("volumes", [])
         if role.startswith("worker/"):
             ray = containers[0]
-            tpl["spec"].setdefault("initContainers", []).append({
-                "name": "wait-gcs-ready", "image": ray["image"], "imagePullPolicy": ray.get("imagePullPolicy"),
-                "command": ["/bin/bash", "-lc", "--"], "securityContext": copy.deepcopy(ray.get("securityContext")),
-                "env": ray.get("env", []), "volumeMounts": ray.get("volumeMounts", []),
-                "resources": {"limits": {"cpu": "200m", "memory": "256Mi"}, "requests": {"cpu": "200m", "memory": "256Mi"}}})
+            tpl["spec"].setdefault("initContainers", []).append(
+                {
+                    "name": "wait-gcs-ready",
+                    "image": ray["image"],
+                    "imagePullPolicy": ray.get("imagePullPolicy"),
+                    "command": ["/bin/bash", "-lc", "--"],
+                    "securityContext": copy.deepcopy(ray.get("securityContext")),
+                    "env": ray.get("env", []),
+                    "volumeMounts": ray.get("volumeMounts", []),
+                    "resources": {
+                        "limits": {"cpu": "200m", "memory": "256Mi"},
+                        "requests": {"cpu": "200m", "memory": "256Mi"},
+                    },
+                }
+            )
         if role == "head" and spec.get("enableInTreeAutoscaling"):
-            containers.append({"name": "autoscaler", "image": containers[0]["image"],
-                               "securityContext": copy.deepcopy((spec.get("autoscalerOptions") or {}).get("securityContext"))})
+            containers.append(
+                {
+                    "name": "autoscaler",
+                    "image": containers[0]["image"],
+                    "securityContext": copy.deepcopy((spec.get("autoscalerOptions") or {}).get("securityContext")),
+                }
+            )
             if not any(v["name"] == "ray-logs" for v in volumes):
                 volumes.append({"name": "ray-logs", "emptyDir": {}})
         if role == "head" and job.get("submissionMode") == "SidecarMode":
@@ -240,10 +319,21 @@ RESTRICTED_CASES = {
     **{f"example-{p.stem}": ([p], [], []) for p in EXAMPLE_VALUES},
     "defaults": ([], [], []),
     "autoscaling": ([], ["autoscaling.enabled=true", "workers.gpu.maxReplicas=4"], []),
-    "persistent-http-no-rbac": ([], ["rayJob.clusterMode=persistent", "rayJob.submissionMode=HTTPMode",
-                                     "rayJob.backoffLimit=0", "progressReporting.rbac.create=false"], []),
-    "cpu-training-extra-group": ([], ["training.scaling.use_gpu=false", "workers.gpu.gpus=0"],
-                                 ['workers.cpu={"replicas": 2, "resources": {"requests": {"cpu": "4"}}}']),
+    "persistent-http-no-rbac": (
+        [],
+        [
+            "rayJob.clusterMode=persistent",
+            "rayJob.submissionMode=HTTPMode",
+            "rayJob.backoffLimit=0",
+            "progressReporting.rbac.create=false",
+        ],
+        [],
+    ),
+    "cpu-training-extra-group": (
+        [],
+        ["training.scaling.use_gpu=false", "workers.gpu.gpus=0"],
+        ['workers.cpu={"replicas": 2, "resources": {"requests": {"cpu": "4"}}}'],
+    ),
 }
 
 
@@ -267,9 +357,13 @@ def test_sidecar_mode_cannot_pass_restricted():
 
 
 def test_group_security_contexts_merge_over_the_chart_wide_ones():
-    objects = render(set_json=['workers.gpu.securityContext={"runAsUser": 2000}',
-                               'head.podSecurityContext={"fsGroup": 2000}',
-                               'rayJob.submitter.securityContext={"capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}'])
+    objects = render(
+        set_json=[
+            'workers.gpu.securityContext={"runAsUser": 2000}',
+            'head.podSecurityContext={"fsGroup": 2000}',
+            'rayJob.submitter.securityContext={"capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}',
+        ]
+    )
     pods = as_created(objects)
     worker_sc = container(pods["worker/gpu"])["securityContext"]
     assert worker_sc["runAsUser"] == 2000 and worker_sc["allowPrivilegeEscalation"] is False
@@ -286,24 +380,42 @@ VIOLATIONS = {  # a change to a passing pod -> the rule that must catch it
     "host network": (lambda p: p["spec"].update(hostNetwork=True), "host namespaces"),
     "host pid": (lambda p: p["spec"].update(hostPID=True), "host namespaces"),
     "hostPath": (lambda p: p["spec"]["volumes"].append({"name": "h", "hostPath": {"path": "/"}}), "hostPath volumes"),
-    "nfs volume": (lambda p: p["spec"]["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}), "volume types"),
+    "nfs volume": (
+        lambda p: p["spec"]["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}),
+        "volume types",
+    ),
     "privileged": (lambda p: sc(p).update(privileged=True), "privileged"),
     "escalation unset": (lambda p: sc(p).pop("allowPrivilegeEscalation"), "allowPrivilegeEscalation"),
     "escalation true": (lambda p: sc(p).update(allowPrivilegeEscalation=True), "allowPrivilegeEscalation"),
-    "root allowed": (lambda p: (sc(p).pop("runAsNonRoot"), p["spec"]["securityContext"].pop("runAsNonRoot")), "runAsNonRoot"),
+    "root allowed": (
+        lambda p: (sc(p).pop("runAsNonRoot"), p["spec"]["securityContext"].pop("runAsNonRoot")),
+        "runAsNonRoot",
+    ),
     "container non-root false": (lambda p: sc(p).update(runAsNonRoot=False), "runAsNonRoot"),
     "uid 0": (lambda p: p["spec"]["securityContext"].update(runAsUser=0), "runAsUser"),
-    "no seccomp": (lambda p: (sc(p).pop("seccompProfile"), p["spec"]["securityContext"].pop("seccompProfile")), "seccompProfile"),
+    "no seccomp": (
+        lambda p: (sc(p).pop("seccompProfile"), p["spec"]["securityContext"].pop("seccompProfile")),
+        "seccompProfile",
+    ),
     "unconfined": (lambda p: sc(p).update(seccompProfile={"type": "Unconfined"}), "seccompProfile"),
     "caps kept": (lambda p: sc(p).pop("capabilities"), "capabilities"),
     "cap added": (lambda p: sc(p)["capabilities"].update(add=["SYS_ADMIN"]), "capabilities"),
     "cap NET_RAW": (lambda p: sc(p)["capabilities"].update(add=["NET_RAW"]), "capabilities"),
-    "host port": (lambda p: p["spec"]["containers"][0]["ports"].append({"containerPort": 1, "hostPort": 80}), "hostPorts"),
+    "host port": (
+        lambda p: p["spec"]["containers"][0]["ports"].append({"containerPort": 1, "hostPort": 80}),
+        "hostPorts",
+    ),
     "proc mount": (lambda p: sc(p).update(procMount="Unmasked"), "procMount"),
-    "sysctl": (lambda p: p["spec"]["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]), "sysctls"),
+    "sysctl": (
+        lambda p: p["spec"]["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+        "sysctls",
+    ),
     "selinux user": (lambda p: sc(p).update(seLinuxOptions={"user": "root"}), "seLinux"),
     "apparmor": (lambda p: sc(p).update(appArmorProfile={"type": "Unconfined"}), "appArmor"),
-    "init container": (lambda p: p["spec"].setdefault("initContainers", []).append({"name": "i"}), "allowPrivilegeEscalation"),
+    "init container": (
+        lambda p: p["spec"].setdefault("initContainers", []).append({"name": "i"}),
+        "allowPrivilegeEscalation",
+    ),
 }
 
 
@@ -328,9 +440,16 @@ def test_the_restricted_check_catches_each_rule(case):
 # --- network policy, authentication, image references -------------------------------------------------------
 
 
-def policy_admits(policy: dict[str, Any], pod_labels: dict[str, str], source_labels: dict[str, str],
-                  source_namespace: str, port: int, namespace: str = "default") -> bool:
+def policy_admits(
+    policy: dict[str, Any],
+    pod_labels: dict[str, str],
+    source_labels: dict[str, str],
+    source_namespace: str,
+    port: int,
+    namespace: str = "default",
+) -> bool:
     """NetworkPolicy ingress semantics for a TCP connection to a pod the policy selects (matchLabels only)."""
+
     def matches(selector, labels):
         return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
 
@@ -340,8 +459,11 @@ def policy_admits(policy: dict[str, Any], pod_labels: dict[str, str], source_lab
         if ports and not any(p.get("port") == port and p.get("protocol", "TCP") == "TCP" for p in ports):
             continue
         for peer in rule.get("from") or [{}]:
-            ns_ok = (source_namespace == namespace if "namespaceSelector" not in peer
-                     else matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_namespace}))
+            ns_ok = (
+                source_namespace == namespace
+                if "namespaceSelector" not in peer
+                else matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_namespace})
+            )
             if ns_ok and matches(peer.get("podSelector") or {}, source_labels):
                 return True
     return False
@@ -371,10 +493,14 @@ def test_network_policy_admits_the_experiment_and_the_operator_only(values):
 
 
 def test_network_policy_values():
-    objects = render(sets=["networkPolicy.operatorNamespace=ray-system", "head.rayStartParams.dashboard-port=9000"],
-                     set_json=['networkPolicy.egress=[{"ports": [{"port": 53, "protocol": "UDP"}]}]',
-                               'networkPolicy.extraIngress=[{"from": [{"namespaceSelector": {"matchLabels": '
-                               '{"kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": 8080}]}]'])
+    objects = render(
+        sets=["networkPolicy.operatorNamespace=ray-system", "head.rayStartParams.dashboard-port=9000"],
+        set_json=[
+            'networkPolicy.egress=[{"ports": [{"port": 53, "protocol": "UDP"}]}]',
+            'networkPolicy.extraIngress=[{"from": [{"namespaceSelector": {"matchLabels": '
+            '{"kubernetes.io/metadata.name": "monitoring"}}}], "ports": [{"port": 8080}]}]',
+        ],
+    )
     policy = one(objects, "NetworkPolicy")
     head = pod_templates(objects)["head"]
     labels = head["metadata"]["labels"]
@@ -397,12 +523,14 @@ def test_notes_warn_about_weakened_defaults():
     assert "WARNING: auth.mode=disabled" in text and "The NetworkPolicy limits that" in text
     text = notes("auth.mode=disabled", "auth.allowDisabled=true", "networkPolicy.enabled=false")
     assert "that is every pod that can reach these pods" in text and "WARNING: networkPolicy.enabled=false" in text
-    assert "Pod Security \"restricted\" refuses the head pod" in notes("rayJob.submissionMode=SidecarMode")
+    assert 'Pod Security "restricted" refuses the head pod' in notes("rayJob.submissionMode=SidecarMode")
 
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
-REFERENCE = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
-                       r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$")
+REFERENCE = re.compile(
+    r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
+    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
+)
 
 
 def test_image_digest_renders_valid_references():
@@ -426,8 +554,16 @@ def test_image_digest_renders_valid_references():
 
 # --- secrets: never a literal in the RayJob, the ConfigMap or Ray's runtime environment ----------------------
 
-SECRET_LIKE = ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD",
-               "GOOGLE_APPLICATION_CREDENTIALS", "api_key", "token"]
+SECRET_LIKE = [
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "WANDB_API_KEY",
+    "AWS_SECRET_ACCESS_KEY",
+    "DB_PASSWORD",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "api_key",
+    "token",
+]
 NOT_SECRET = ["HF_HOME", "TOKENIZERS_PARALLELISM", "NCCL_DEBUG", "KEYBOARD", "MONKEY_PATCH", "HF_HUB_OFFLINE"]
 
 
@@ -435,20 +571,36 @@ def test_chart_and_app_agree_on_what_looks_like_a_secret():
     from app.driver import SECRET_NAME
 
     for name in SECRET_LIKE + NOT_SECRET:
-        out = helm("template", "x", str(CHART), "--set-json", json.dumps([{"name": name, "value": "v"}]).join(
-            ["env=", ""]), check=False)
+        out = helm(
+            "template",
+            "x",
+            str(CHART),
+            "--set-json",
+            json.dumps([{"name": name, "value": "v"}]).join(["env=", ""]),
+            check=False,
+        )
         assert (out.returncode != 0) == bool(SECRET_NAME.search(name)) == (name in SECRET_LIKE), (name, out.stderr)
         if out.returncode:
             assert f"env[0]: {name} has a literal value" in out.stderr and "valueFrom" in out.stderr
 
 
-@pytest.mark.parametrize("where, value, named", [
-    ("head.env", [{"name": "HF_TOKEN", "value": "hf_x"}], "head.env[0]: HF_TOKEN"),
-    ("workers.gpu.env", [{"name": "A", "value": "1"}, {"name": "WANDB_API_KEY", "value": "k"}],
-     "workers.gpu.env[1]: WANDB_API_KEY"),
-    ("training.deepspeed.comet", {"enabled": True, "api_key": "k"}, "training.deepspeed.comet.api_key: a literal secret"),
-    ("training.deepspeed.monitors", [{"wandb": {"token": "t"}}], "training.deepspeed.monitors[0].wandb.token"),
-])
+@pytest.mark.parametrize(
+    "where, value, named",
+    [
+        ("head.env", [{"name": "HF_TOKEN", "value": "hf_x"}], "head.env[0]: HF_TOKEN"),
+        (
+            "workers.gpu.env",
+            [{"name": "A", "value": "1"}, {"name": "WANDB_API_KEY", "value": "k"}],
+            "workers.gpu.env[1]: WANDB_API_KEY",
+        ),
+        (
+            "training.deepspeed.comet",
+            {"enabled": True, "api_key": "k"},
+            "training.deepspeed.comet.api_key: a literal secret",
+        ),
+        ("training.deepspeed.monitors", [{"wandb": {"token": "t"}}], "training.deepspeed.monitors[0].wandb.token"),
+    ],
+)
 def test_literal_secrets_fail_naming_the_value_and_the_fix(where, value, named):
     out = helm("template", "x", str(CHART), "--set-json", f"{where}={json.dumps(value)}", check=False)
     assert out.returncode != 0 and named in out.stderr, out.stderr
@@ -518,7 +670,20 @@ def test_readwritemany_or_an_existing_claim():
 def test_docs_have_a_security_section_for_the_cluster_admin():
     text = (CHART.parents[1] / "docs" / "kubernetes.md").read_text()
     section = text.split("\n## Security\n", 1)[1].split("\n## ", 1)[0]
-    for needle in ("resourceNames", "automount", "restricted", "SidecarMode", "NetworkPolicy", "operatorNamespace",
-                   "secretKeyRef", "image.digest", "reclaimPolicy: Retain", "Never share a checkpoint claim",
-                   "unpickle", "fsGroup", "NFS", "checkov-accepted.yaml"):
+    for needle in (
+        "resourceNames",
+        "automount",
+        "restricted",
+        "SidecarMode",
+        "NetworkPolicy",
+        "operatorNamespace",
+        "secretKeyRef",
+        "image.digest",
+        "reclaimPolicy: Retain",
+        "Never share a checkpoint claim",
+        "unpickle",
+        "fsGroup",
+        "NFS",
+        "checkov-accepted.yaml",
+    ):
         assert needle in section, needle

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import losses, run_cli, tiny_overrides
 
 
@@ -24,8 +23,13 @@ def assert_learns(run_dir: Path) -> None:
     assert last < 0.8 * first, seen
 
 
-RESUME = {"train.epochs": 2, "train.max_steps_per_epoch": 8, "train.log_every_steps": 1, "model.dropout": 0.1,
-          "data.eval_fraction": 0.05}
+RESUME = {
+    "train.epochs": 2,
+    "train.max_steps_per_epoch": 8,
+    "train.log_every_steps": 1,
+    "model.dropout": 0.1,
+    "data.eval_fraction": 0.05,
+}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,8 @@ def test_final_and_export_match_the_trained_engine(runs, tmp_path):
 
 ENGINE_VS_EXPORT = r"""
 import os, sys, json, torch, torch.distributed as dist
-os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import deepspeed
 from pathlib import Path
 from app import checkpoint
@@ -130,8 +135,13 @@ def test_export_gives_the_engines_logits(tiny_model, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    done = subprocess.run([sys.executable, "-c", ENGINE_VS_EXPORT, str(tiny_model), str(tmp_path), port],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_VS_EXPORT, str(tiny_model), str(tmp_path), port],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     engine_logits = torch.load(tmp_path / "engine_logits.pt")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
@@ -159,9 +169,14 @@ def test_export_gives_the_engines_logits(tiny_model, tmp_path):
         pytest.param({"deepspeed.zero_optimization.stage": 2}, id="zero2"),
         # slow: on a fresh machine it JIT-compiles DeepSpeed's CPU Adam first (about 2 minutes on 2 cores), and the
         # unit suite sits at its 20-minute budget; `pytest -m slow tests/test_train.py` runs it.
-        pytest.param({"deepspeed.zero_optimization.offload_optimizer": "{device: cpu}",
-                      "deepspeed.zero_optimization.offload_param": "{device: cpu}"}, id="zero3-offload",
-                     marks=pytest.mark.slow),
+        pytest.param(
+            {
+                "deepspeed.zero_optimization.offload_optimizer": "{device: cpu}",
+                "deepspeed.zero_optimization.offload_param": "{device: cpu}",
+            },
+            id="zero3-offload",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_stages_learn(stage, tmp_path, tiny_model):

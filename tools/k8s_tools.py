@@ -61,8 +61,12 @@ def install(bin_dir: Path) -> list[Path]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bin-dir", type=Path, default=Path(sys.executable).parent,
-                        help="where to put helm and kubectl (default: this Python's bin folder)")
+    parser.add_argument(
+        "--bin-dir",
+        type=Path,
+        default=Path(sys.executable).parent,
+        help="where to put helm and kubectl (default: this Python's bin folder)",
+    )
     args = parser.parse_args()
     for path in install(args.bin_dir):
         print(f"k8s tool: {path}")

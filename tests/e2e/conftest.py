@@ -31,8 +31,11 @@ def cluster():
         t0 = time.monotonic()
         cp.start()
         v = cp.versions
-        print(f"\ncontrol plane: kubernetes {v['KUBERNETES_VERSION']}, etcd {v['ETCD_VERSION']}, "
-              f"KubeRay {v['KUBERAY_VERSION']}; build/reuse {v['BUILD_SECONDS']} s, ready after {time.monotonic() - t0:.0f} s")
+        print(
+            f"\ncontrol plane: kubernetes {v['KUBERNETES_VERSION']}, etcd {v['ETCD_VERSION']}, "
+            f"KubeRay {v['KUBERAY_VERSION']}; build/reuse {v['BUILD_SECONDS']} s, ready after "
+            f"{time.monotonic() - t0:.0f} s"
+        )
         yield cp
     finally:
         cp.stop()
@@ -42,7 +45,9 @@ def cluster():
 @pytest.fixture
 def namespace(cluster, request) -> str:
     """A fresh namespace per test (deleted afterwards without waiting; the control plane goes at session end)."""
-    name = f"e2e-{next(_ids)}-{request.node.name.split('[')[0].removeprefix('test_').replace('_', '-')}"[:50].rstrip("-")
+    name = f"e2e-{next(_ids)}-{request.node.name.split('[')[0].removeprefix('test_').replace('_', '-')}"[:50].rstrip(
+        "-"
+    )
     cluster.kubectl("create", "namespace", name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
@@ -67,7 +72,17 @@ def tiny_model(tmp_path_factory) -> Path:
     """The tiny GPT-2-style model of `make run`, built once (about 15 s); tests copy it onto the claim, where
     examples/values-cpu.yaml reads it."""
     out = tmp_path_factory.mktemp("tiny") / "tiny-gpt2"
-    subprocess.run([str(Path(sys.executable).with_name("finetune")), "tiny", "--model-dir", str(out),
-                    "--corpus", str(REPO / "examples" / "data" / "tiny-news.jsonl")],
-                   check=True, capture_output=True, cwd=REPO)
+    subprocess.run(
+        [
+            str(Path(sys.executable).with_name("finetune")),
+            "tiny",
+            "--model-dir",
+            str(out),
+            "--corpus",
+            str(REPO / "examples" / "data" / "tiny-news.jsonl"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     return out

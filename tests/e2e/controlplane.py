@@ -75,32 +75,72 @@ def make_pki(d: Path) -> None:
     control-plane components (their names are what the default RBAC bindings expect), and the key pair that
     signs service-account tokens."""
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=finetune-e2e-ca",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+    openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=finetune-e2e-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
     leaves = {
-        "apiserver": ("/CN=kube-apiserver", "serverAuth",
-                      "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"),
+        "apiserver": (
+            "/CN=kube-apiserver",
+            "serverAuth",
+            "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc",
+        ),
         "admin": ("/O=system:masters/CN=e2e-admin", "clientAuth", None),
         "controller-manager": ("/CN=system:kube-controller-manager", "clientAuth", None),
         "scheduler": ("/CN=system:kube-scheduler", "clientAuth", None),
     }
     for name, (subject, usage, san) in leaves.items():
-        ext = f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage={usage}\n"
+        ext = (
+            f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage={usage}\n"
+        )
         if san:
             ext += f"subjectAltName={san}\n"
         (d / f"{name}.ext").write_text(ext)
         openssl("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=d)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                "-days", "2", "-out", f"{name}.crt", "-extfile", f"{name}.ext", cwd=d)
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-out",
+            f"{name}.crt",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
     openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
     openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
 
-def kubeconfig(path: Path, server: str, ca: Path, *, cert: Path | None = None, key: Path | None = None,
-               token: str | None = None) -> Path:
+def kubeconfig(
+    path: Path, server: str, ca: Path, *, cert: Path | None = None, key: Path | None = None, token: str | None = None
+) -> Path:
     user: dict = {"token": token} if token else {"client-certificate": str(cert), "client-key": str(key)}
     cfg = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "e2e",
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "e2e",
         "clusters": [{"name": "e2e", "cluster": {"server": server, "certificate-authority": str(ca)}}],
         "users": [{"name": "e2e", "user": user}],
         "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "e2e", "namespace": "default"}}],
@@ -129,14 +169,30 @@ class ControlPlane:
 
     def env(self, kubeconfig: Path | None = None) -> dict[str, str]:
         """Environment for kubectl, helm and `finetune` subprocesses: this cluster, nothing from $HOME."""
-        return {**os.environ, "KUBECONFIG": str(kubeconfig or self.admin_kubeconfig),
-                "HELM_CACHE_HOME": str(self.root / "helm" / "cache"), "HELM_CONFIG_HOME": str(self.root / "helm" / "config"),
-                "HELM_DATA_HOME": str(self.root / "helm" / "data")}
+        return {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig or self.admin_kubeconfig),
+            "HELM_CACHE_HOME": str(self.root / "helm" / "cache"),
+            "HELM_CONFIG_HOME": str(self.root / "helm" / "config"),
+            "HELM_DATA_HOME": str(self.root / "helm" / "data"),
+        }
 
-    def kubectl(self, *args: str, check: bool = True, stdin: str | None = None, kubeconfig: Path | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess:
-        out = subprocess.run([self.kubectl_bin, *args], input=stdin, capture_output=True, text=True,
-                             env=self.env(kubeconfig), timeout=timeout)
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        stdin: str | None = None,
+        kubeconfig: Path | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess:
+        out = subprocess.run(
+            [self.kubectl_bin, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=self.env(kubeconfig),
+            timeout=timeout,
+        )
         if check and out.returncode:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({out.returncode}):\n{out.stderr}{out.stdout}")
         return out
@@ -171,9 +227,16 @@ class ControlPlane:
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
         log = open(self.root / "logs" / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            cwd=self.root, env=env or os.environ.copy(), start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+        self.procs[name] = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.root,
+            env=env or os.environ.copy(),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         log.close()
 
     def log_tail(self, name: str, lines: int = 30) -> str:
@@ -198,30 +261,74 @@ class ControlPlane:
     def _start_etcd(self, bins: Path) -> None:
         client, peer = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
-        self.spawn("etcd", [str(bins / "etcd"), "--name", "e2e", "--data-dir", str(self.root / "etcd"),
-                            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-                            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                            "--initial-cluster", f"e2e=http://127.0.0.1:{peer}",
-                            "--unsafe-no-fsync", "--log-level", "warn"])
+        self.spawn(
+            "etcd",
+            [
+                str(bins / "etcd"),
+                "--name",
+                "e2e",
+                "--data-dir",
+                str(self.root / "etcd"),
+                "--listen-client-urls",
+                self.etcd_url,
+                "--advertise-client-urls",
+                self.etcd_url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"e2e=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ],
+        )
         self.wait("etcd", lambda: http_get(f"127.0.0.1:{client}", "/health") == 200, "health")
 
     def _start_apiserver(self, bins: Path) -> None:
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
         p = self.pki
-        self.spawn("kube-apiserver", [
-            str(bins / "kube-apiserver"), "--etcd-servers", self.etcd_url,
-            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(port),
-            # Loopback cannot be an Endpoints address: the `kubernetes` Service gets none (nothing in-cluster here).
-            "--endpoint-reconciler-type", "none",
-            "--tls-cert-file", str(p / "apiserver.crt"), "--tls-private-key-file", str(p / "apiserver.key"),
-            "--client-ca-file", str(p / "ca.crt"), "--authorization-mode", "RBAC",
-            "--enable-admission-plugins", "NamespaceLifecycle,ServiceAccount,PodSecurity,LimitRanger,ResourceQuota",
-            "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
-            "--service-account-key-file", str(p / "sa.pub"), "--service-account-signing-key-file", str(p / "sa.key"),
-            "--service-cluster-ip-range", SERVICE_CIDR, "--allow-privileged=false", "--profiling=false",
-            "--cert-dir", str(self.root / "apiserver-certs")])
+        self.spawn(
+            "kube-apiserver",
+            [
+                str(bins / "kube-apiserver"),
+                "--etcd-servers",
+                self.etcd_url,
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(port),
+                # Loopback cannot be an Endpoints address: the `kubernetes` Service gets none (nothing in-cluster here).
+                "--endpoint-reconciler-type",
+                "none",
+                "--tls-cert-file",
+                str(p / "apiserver.crt"),
+                "--tls-private-key-file",
+                str(p / "apiserver.key"),
+                "--client-ca-file",
+                str(p / "ca.crt"),
+                "--authorization-mode",
+                "RBAC",
+                "--enable-admission-plugins",
+                "NamespaceLifecycle,ServiceAccount,PodSecurity,LimitRanger,ResourceQuota",
+                "--service-account-issuer",
+                "https://kubernetes.default.svc.cluster.local",
+                "--service-account-key-file",
+                str(p / "sa.pub"),
+                "--service-account-signing-key-file",
+                str(p / "sa.key"),
+                "--service-cluster-ip-range",
+                SERVICE_CIDR,
+                "--allow-privileged=false",
+                "--profiling=false",
+                "--cert-dir",
+                str(self.root / "apiserver-certs"),
+            ],
+        )
         kubeconfig(self.admin_kubeconfig, self.server, p / "ca.crt", cert=p / "admin.crt", key=p / "admin.key")
         ctx = ssl.create_default_context(cafile=str(p / "ca.crt"))
         ctx.load_cert_chain(str(p / "admin.crt"), str(p / "admin.key"))
@@ -230,39 +337,95 @@ class ControlPlane:
     def _start_controllers(self, bins: Path) -> None:
         p = self.pki
         for name in ("controller-manager", "scheduler"):
-            kubeconfig(self.root / f"{name}.kubeconfig", self.server, p / "ca.crt", cert=p / f"{name}.crt",
-                       key=p / f"{name}.key")
-        self.spawn("kube-controller-manager", [
-            str(bins / "kube-controller-manager"), "--kubeconfig", str(self.root / "controller-manager.kubeconfig"),
-            "--leader-elect=false", "--secure-port=0", "--use-service-account-credentials=true",
-            "--service-account-private-key-file", str(p / "sa.key"), "--root-ca-file", str(p / "ca.crt"),
-            "--cluster-signing-cert-file", str(p / "ca.crt"), "--cluster-signing-key-file", str(p / "ca.key"),
-            "--service-cluster-ip-range", SERVICE_CIDR, "--controllers", "*"])
-        self.spawn("kube-scheduler", [
-            str(bins / "kube-scheduler"), "--kubeconfig", str(self.root / "scheduler.kubeconfig"),
-            "--leader-elect=false", "--secure-port=0"])
+            kubeconfig(
+                self.root / f"{name}.kubeconfig",
+                self.server,
+                p / "ca.crt",
+                cert=p / f"{name}.crt",
+                key=p / f"{name}.key",
+            )
+        self.spawn(
+            "kube-controller-manager",
+            [
+                str(bins / "kube-controller-manager"),
+                "--kubeconfig",
+                str(self.root / "controller-manager.kubeconfig"),
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--use-service-account-credentials=true",
+                "--service-account-private-key-file",
+                str(p / "sa.key"),
+                "--root-ca-file",
+                str(p / "ca.crt"),
+                "--cluster-signing-cert-file",
+                str(p / "ca.crt"),
+                "--cluster-signing-key-file",
+                str(p / "ca.key"),
+                "--service-cluster-ip-range",
+                SERVICE_CIDR,
+                "--controllers",
+                "*",
+            ],
+        )
+        self.spawn(
+            "kube-scheduler",
+            [
+                str(bins / "kube-scheduler"),
+                "--kubeconfig",
+                str(self.root / "scheduler.kubeconfig"),
+                "--leader-elect=false",
+                "--secure-port=0",
+            ],
+        )
         # The service-account controller creating `default` in every namespace proves the controller-manager runs.
-        self.wait("kube-controller-manager", lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default",
-                                                                  check=False).returncode == 0, "default ServiceAccount")
+        self.wait(
+            "kube-controller-manager",
+            lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0,
+            "default ServiceAccount",
+        )
 
     def _start_operator(self, binary: Path) -> None:
         module = k8s_support.operator_module_dir()  # the version the binary was built from
         self.kubectl("apply", "--server-side", "-f", str(module / "config" / "crd" / "bases"), timeout=180)
         self.kubectl("create", "namespace", OPERATOR_NS)
-        self.kubectl("apply", "-n", OPERATOR_NS, "-f", str(module / "config" / "rbac" / "service_account.yaml"),
-                     "-f", str(module / "config" / "rbac" / "role.yaml"))
-        self.kubectl("create", "clusterrolebinding", "kuberay-operator", "--clusterrole", "kuberay-operator",
-                     "--serviceaccount", f"{OPERATOR_NS}:{OPERATOR_SA}")
+        self.kubectl(
+            "apply",
+            "-n",
+            OPERATOR_NS,
+            "-f",
+            str(module / "config" / "rbac" / "service_account.yaml"),
+            "-f",
+            str(module / "config" / "rbac" / "role.yaml"),
+        )
+        self.kubectl(
+            "create",
+            "clusterrolebinding",
+            "kuberay-operator",
+            "--clusterrole",
+            "kuberay-operator",
+            "--serviceaccount",
+            f"{OPERATOR_NS}:{OPERATOR_SA}",
+        )
         token = self.kubectl("create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration", "24h").stdout.strip()
         cfg = kubeconfig(self.root / "operator.kubeconfig", self.server, self.pki / "ca.crt", token=token)
         probe = free_port()
-        self.spawn("kuberay-operator", [str(binary), "--enable-leader-election=false", "--metrics-addr", "0",
-                                        "--health-probe-bind-address", f"127.0.0.1:{probe}",
-                                        "--log-stdout-encoder", "console",
-                                        # Out of the cluster's network (no DNS for Services here): reach each
-                                        # head's dashboard through the API server's service proxy.
-                                        "--use-kubernetes-proxy"],
-                   env={**os.environ, "KUBECONFIG": str(cfg)})
+        self.spawn(
+            "kuberay-operator",
+            [
+                str(binary),
+                "--enable-leader-election=false",
+                "--metrics-addr",
+                "0",
+                "--health-probe-bind-address",
+                f"127.0.0.1:{probe}",
+                "--log-stdout-encoder",
+                "console",
+                # Out of the cluster's network (no DNS for Services here): reach each
+                # head's dashboard through the API server's service proxy.
+                "--use-kubernetes-proxy",
+            ],
+            env={**os.environ, "KUBECONFIG": str(cfg)},
+        )
         self.wait("kuberay-operator", lambda: http_get(f"127.0.0.1:{probe}", "/readyz") == 200, "/readyz")
 
     def stop(self) -> None:
@@ -307,5 +470,3 @@ def https_get(hostport: str, path: str, ctx: ssl.SSLContext) -> int:
         return conn.getresponse().status
     finally:
         conn.close()
-
-

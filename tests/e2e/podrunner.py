@@ -158,18 +158,31 @@ class Dns:
     def answer(self, q: bytes) -> bytes:
         labels, i = [], 12
         while q[i]:
-            labels.append(q[i + 1:i + 1 + q[i]].decode().lower())
+            labels.append(q[i + 1 : i + 1 + q[i]].decode().lower())
             i += 1 + q[i]
-        qtype = int.from_bytes(q[i + 1:i + 3], "big")
-        question = q[12:i + 5]
+        qtype = int.from_bytes(q[i + 1 : i + 3], "big")
+        question = q[12 : i + 5]
         ip = self.records.get(".".join(labels))
         flags = 0x8580 if ip else 0x8583  # response, authoritative, recursion desired+available; NXDOMAIN
         answers = b""
         if ip and qtype == 1:
-            answers = b"\xc0\x0c" + (1).to_bytes(2, "big") + (1).to_bytes(2, "big") + (5).to_bytes(4, "big") + \
-                (4).to_bytes(2, "big") + socket.inet_aton(ip)
-        return q[:2] + flags.to_bytes(2, "big") + (1).to_bytes(2, "big") + (1 if answers else 0).to_bytes(2, "big") + \
-            b"\0\0\0\0" + question + answers
+            answers = (
+                b"\xc0\x0c"
+                + (1).to_bytes(2, "big")
+                + (1).to_bytes(2, "big")
+                + (5).to_bytes(4, "big")
+                + (4).to_bytes(2, "big")
+                + socket.inet_aton(ip)
+            )
+        return (
+            q[:2]
+            + flags.to_bytes(2, "big")
+            + (1).to_bytes(2, "big")
+            + (1 if answers else 0).to_bytes(2, "big")
+            + b"\0\0\0\0"
+            + question
+            + answers
+        )
 
     def close(self) -> None:
         self._stop.set()
@@ -184,6 +197,7 @@ class ApiError(RuntimeError):
 
 
 # --- one container -------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Container:
@@ -207,19 +221,32 @@ class Container:
         return self.spec["name"]
 
     def status(self) -> dict:
-        st: dict = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
-                    "restartCount": self.restarts, "ready": self.ready, "started": self.started}
+        st: dict = {
+            "name": self.name,
+            "image": self.spec.get("image", ""),
+            "imageID": "",
+            "restartCount": self.restarts,
+            "ready": self.ready,
+            "started": self.started,
+        }
         if self.proc is not None and self.exit_code is None:
             st["state"] = {"running": {"startedAt": self.started_at}}
         elif self.exit_code is not None:
-            st["state"] = {"terminated": {"exitCode": self.exit_code, "reason": self.reason,
-                                          "startedAt": self.started_at, "finishedAt": self.finished_at}}
+            st["state"] = {
+                "terminated": {
+                    "exitCode": self.exit_code,
+                    "reason": self.reason,
+                    "startedAt": self.started_at,
+                    "finishedAt": self.finished_at,
+                }
+            }
         else:
             st["state"] = {"waiting": {"reason": "PodInitializing" if not self.init else "Waiting"}}
         return st
 
 
 # --- one pod ---------------------------------------------------------------------------------------------------
+
 
 class Pod:
     def __init__(self, runner: PodRunner, obj: dict, ip: str):
@@ -340,18 +367,39 @@ class Pod:
         if not argv:
             raise RuntimeError(f"container {c.name} has no command: the image's entrypoint is not known here")
         mounts = self.runner.mounts_for(self, c.spec)
-        plan = {"mounts": mounts, "hostname": self.name, "cwd": c.spec.get("workingDir") or str(REPO),
-                "argv": argv, "env": env}
+        plan = {
+            "mounts": mounts,
+            "hostname": self.name,
+            "cwd": c.spec.get("workingDir") or str(REPO),
+            "argv": argv,
+            "env": env,
+        }
         plan_file = self.dir / f"{c.name}.plan.json"
         plan_file.write_text(json.dumps(plan))
         c.log = self.dir / f"{c.name}.log"
         log = open(c.log, "ab")  # noqa: SIM115 - the child owns it
         c.exit_code, c.finished_at, c.reason, c.probe_counts = None, None, "", {}
         c.proc = subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{self.netns}", "--", "unshare", "--mount", "--uts", "--propagation",
-             "private", "--", sys.executable, str(PODINIT), str(plan_file)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_die_with_parent)
+            [
+                "nsenter",
+                f"--net=/run/netns/{self.netns}",
+                "--",
+                "unshare",
+                "--mount",
+                "--uts",
+                "--propagation",
+                "private",
+                "--",
+                sys.executable,
+                str(PODINIT),
+                str(plan_file),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         log.close()
         c.started_at = now()
         c.started = not c.spec.get("startupProbe")
@@ -397,8 +445,10 @@ class Pod:
             except ProcessLookupError:
                 pass
         elif c.proc.poll() is None:
-            self.runner.note(f"{self.ns}/{self.name}/{c.name}: pid {pid} has no SIGTERM handler; as a PID "
-                             f"namespace's init it would not get the signal: SIGKILL after {remaining} s")
+            self.runner.note(
+                f"{self.ns}/{self.name}/{c.name}: pid {pid} has no SIGTERM handler; as a PID "
+                f"namespace's init it would not get the signal: SIGKILL after {remaining} s"
+            )
         try:
             code = c.proc.wait(timeout=remaining)
         except subprocess.TimeoutExpired:
@@ -416,8 +466,13 @@ class Pod:
                 with open(self.dir / f"{c.name}.preStop.log", "ab") as log:
                     proc = subprocess.Popen(
                         ["nsenter", "-t", str(c.proc.pid), "-m", "-n", "-u", "--", *hook["exec"]["command"]],
-                        env=c.env, cwd=c.spec.get("workingDir") or str(REPO),
-                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                        env=c.env,
+                        cwd=c.spec.get("workingDir") or str(REPO),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        preexec_fn=_die_with_parent,
+                    )
                 try:
                     ok = proc.wait(timeout=grace) == 0
                 except subprocess.TimeoutExpired:
@@ -489,10 +544,13 @@ class Pod:
         sh(*ns, "link", "set", "lo", "up")
         sh(*ns, "route", "add", "default", "via", self.runner.gateway)
         # As a kubelet writes them: the pod's own name in /etc/hosts, the cluster DNS in resolv.conf.
-        self.hosts.write_text("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-                              f"{self.ip}\t{self.name}\n")
-        self.resolv.write_text(f"search {self.ns}.svc.cluster.local svc.cluster.local cluster.local\n"
-                               f"nameserver {self.runner.gateway}\noptions ndots:5\n")
+        self.hosts.write_text(
+            f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n{self.ip}\t{self.name}\n"
+        )
+        self.resolv.write_text(
+            f"search {self.ns}.svc.cluster.local svc.cluster.local cluster.local\n"
+            f"nameserver {self.runner.gateway}\noptions ndots:5\n"
+        )
 
     # probes
     def _probe_loop(self, c: Container) -> None:
@@ -547,17 +605,23 @@ class Pod:
         timeout = probe.get("timeoutSeconds", 1)
         try:
             if "exec" in probe:
-                out = subprocess.run(["nsenter", "-t", str(c.proc.pid), "-m", "-n", "-u", "--",
-                                      *probe["exec"]["command"]], env=c.env, capture_output=True, timeout=timeout,
-                                     cwd=c.spec.get("workingDir") or str(REPO))
+                out = subprocess.run(
+                    ["nsenter", "-t", str(c.proc.pid), "-m", "-n", "-u", "--", *probe["exec"]["command"]],
+                    env=c.env,
+                    capture_output=True,
+                    timeout=timeout,
+                    cwd=c.spec.get("workingDir") or str(REPO),
+                )
                 return out.returncode == 0
             if "httpGet" in probe:
                 get = probe["httpGet"]
-                conn = http.client.HTTPConnection(get.get("host") or self.ip, self._port(c, get["port"]),
-                                                  timeout=timeout)
+                conn = http.client.HTTPConnection(
+                    get.get("host") or self.ip, self._port(c, get["port"]), timeout=timeout
+                )
                 try:
-                    conn.request("GET", get.get("path", "/"),
-                                 headers={h["name"]: h["value"] for h in get.get("httpHeaders", [])})
+                    conn.request(
+                        "GET", get.get("path", "/"), headers={h["name"]: h["value"] for h in get.get("httpHeaders", [])}
+                    )
                     return 200 <= conn.getresponse().status < 400
                 finally:
                     conn.close()
@@ -586,10 +650,16 @@ class Pod:
                 {"type": "Ready", "status": str(ready), "lastTransitionTime": t},
                 {"type": "PodScheduled", "status": "True", "lastTransitionTime": self.start_time},
             ]
-            status = {"phase": self.phase, "conditions": conds, "hostIP": self.runner.gateway,
-                      "hostIPs": [{"ip": self.runner.gateway}], "podIP": self.ip, "podIPs": [{"ip": self.ip}],
-                      "startTime": self.start_time,
-                      "containerStatuses": [c.status() for c in self.main]}
+            status = {
+                "phase": self.phase,
+                "conditions": conds,
+                "hostIP": self.runner.gateway,
+                "hostIPs": [{"ip": self.runner.gateway}],
+                "podIP": self.ip,
+                "podIPs": [{"ip": self.ip}],
+                "startTime": self.start_time,
+                "containerStatuses": [c.status() for c in self.main],
+            }
             if self.init:
                 status["initContainerStatuses"] = [c.status() for c in self.init]
             try:
@@ -625,9 +695,14 @@ def _ns_inode(pid: int, kind: str) -> int | None:
 
 def expand(items: list[str], env: dict[str, str]) -> list[str]:
     """The kubelet's $(VAR) expansion: a defined VAR is replaced, $$ escapes, anything else stays."""
+
     def one(s: str) -> str:
-        return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
-                      lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), s)
+        return re.sub(
+            r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)",
+            lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+            s,
+        )
+
     return [one(s) for s in items]
 
 
@@ -639,8 +714,16 @@ _node_ids = itertools.count()
 class PodRunner:
     # Declared, not measured, and large: the scheduler also binds pods of other namespaces here (earlier tests'
     # jobs, still being deleted), which this runner leaves Pending; they must not crowd out the test's own.
-    def __init__(self, cp, namespaces: list[str], *, cpu: str = "64", memory: str = "512Gi",
-                 subnet: str = "10.244.0.0/24", venv: Path | None = None):
+    def __init__(
+        self,
+        cp,
+        namespaces: list[str],
+        *,
+        cpu: str = "64",
+        memory: str = "512Gi",
+        subnet: str = "10.244.0.0/24",
+        venv: Path | None = None,
+    ):
         # A new name for each runner: pods still bound to an earlier runner's Node are orphans the pod garbage
         # collector removes, instead of counting against this one.
         self.cp, self.namespaces, self.node = cp, set(namespaces), f"e2e-node-{next(_node_ids)}"
@@ -668,9 +751,11 @@ class PodRunner:
     def start(self) -> PodRunner:
         missing = [t for t in ("ip", "nsenter", "unshare", "mount") if not shutil.which(t)]
         if missing or os.geteuid() != 0:
-            raise RuntimeError(f"the e2e pod runner needs root and {', '.join(missing) or 'ip, nsenter, unshare'} "
-                               "(network and mount namespaces per pod): run `make e2e` as root; Debian/Ubuntu: "
-                               "apt-get install iproute2 util-linux mount")
+            raise RuntimeError(
+                f"the e2e pod runner needs root and {', '.join(missing) or 'ip, nsenter, unshare'} "
+                "(network and mount namespaces per pod): run `make e2e` as root; Debian/Ubuntu: "
+                "apt-get install iproute2 util-linux mount"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         remove_leftovers()
         try:
@@ -760,14 +845,34 @@ class PodRunner:
 
     # node
     def _register_node(self) -> None:
-        self.api.call("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {
-            "name": self.node, "labels": {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux",
-                                          "kubernetes.io/arch": "amd64"}}})
+        self.api.call(
+            "POST",
+            "/api/v1/nodes",
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": self.node,
+                    "labels": {
+                        "kubernetes.io/hostname": self.node,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                    },
+                },
+            },
+        )
         self._node_status()
-        self.api.call("POST", LEASES, {
-            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": self.node},
-            "spec": {"holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": self._micro()}},
-            ok=(201, 409))
+        self.api.call(
+            "POST",
+            LEASES,
+            {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": self.node},
+                "spec": {"holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": self._micro()},
+            },
+            ok=(201, 409),
+        )
 
     @staticmethod
     def _micro() -> str:
@@ -775,18 +880,54 @@ class PodRunner:
 
     def _node_status(self) -> None:
         t = now()
-        conds = [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "e2e pod runner",
-                  "lastHeartbeatTime": t, "lastTransitionTime": t}]
-        conds += [{"type": f"{k}Pressure", "status": "False", "reason": f"KubeletHasSufficient{k}",
-                   "lastHeartbeatTime": t, "lastTransitionTime": t} for k in ("Memory", "Disk", "PID")]
-        self.api.patch(f"/api/v1/nodes/{self.node}/status", {"status": {
-            "capacity": self.capacity, "allocatable": self.capacity, "conditions": conds,
-            "addresses": [{"type": "InternalIP", "address": self.gateway}, {"type": "Hostname", "address": self.node}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
-            "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": os.uname().release,
-                         "osImage": "finetune e2e pod runner", "containerRuntimeVersion": "podrunner://0",
-                         "kubeletVersion": "v0.0.0-podrunner", "kubeProxyVersion": "", "operatingSystem": "linux",
-                         "architecture": "amd64"}}}, kind="strategic-merge")
+        conds = [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "KubeletReady",
+                "message": "e2e pod runner",
+                "lastHeartbeatTime": t,
+                "lastTransitionTime": t,
+            }
+        ]
+        conds += [
+            {
+                "type": f"{k}Pressure",
+                "status": "False",
+                "reason": f"KubeletHasSufficient{k}",
+                "lastHeartbeatTime": t,
+                "lastTransitionTime": t,
+            }
+            for k in ("Memory", "Disk", "PID")
+        ]
+        self.api.patch(
+            f"/api/v1/nodes/{self.node}/status",
+            {
+                "status": {
+                    "capacity": self.capacity,
+                    "allocatable": self.capacity,
+                    "conditions": conds,
+                    "addresses": [
+                        {"type": "InternalIP", "address": self.gateway},
+                        {"type": "Hostname", "address": self.node},
+                    ],
+                    "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+                    "nodeInfo": {
+                        "machineID": "",
+                        "systemUUID": "",
+                        "bootID": "",
+                        "kernelVersion": os.uname().release,
+                        "osImage": "finetune e2e pod runner",
+                        "containerRuntimeVersion": "podrunner://0",
+                        "kubeletVersion": "v0.0.0-podrunner",
+                        "kubeProxyVersion": "",
+                        "operatingSystem": "linux",
+                        "architecture": "amd64",
+                    },
+                }
+            },
+            kind="strategic-merge",
+        )
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -846,8 +987,12 @@ class PodRunner:
         """What a kubelet does once a deleted pod's processes are gone: delete it for good (grace 0)."""
         meta = obj["metadata"]
         try:
-            self.api.call("DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                          {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}}, ok=(200, 202, 404, 409))
+            self.api.call(
+                "DELETE",
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                {"gracePeriodSeconds": 0, "preconditions": {"uid": meta["uid"]}},
+                ok=(200, 202, 404, 409),
+            )
         except (ApiError, OSError) as exc:
             self.note(f"finalize {meta['name']}: {exc}")
 
@@ -865,13 +1010,19 @@ class PodRunner:
                     continue
                 meta = pvc["metadata"]
                 name = f"e2e-{meta['uid']}"
-                pv = {"apiVersion": "v1", "kind": "PersistentVolume",
-                      "metadata": {"name": name, "labels": {"finetune-e2e/podrunner": "true"}},
-                      "spec": {"capacity": {"storage": pvc["spec"]["resources"]["requests"]["storage"]},
-                               "accessModes": pvc["spec"]["accessModes"], "persistentVolumeReclaimPolicy": "Retain",
-                               "storageClassName": pvc["spec"].get("storageClassName") or "",
-                               "hostPath": {"path": str(self.claim_dir(ns, meta["name"]))},
-                               "claimRef": {"namespace": ns, "name": meta["name"], "uid": meta["uid"]}}}
+                pv = {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolume",
+                    "metadata": {"name": name, "labels": {"finetune-e2e/podrunner": "true"}},
+                    "spec": {
+                        "capacity": {"storage": pvc["spec"]["resources"]["requests"]["storage"]},
+                        "accessModes": pvc["spec"]["accessModes"],
+                        "persistentVolumeReclaimPolicy": "Retain",
+                        "storageClassName": pvc["spec"].get("storageClassName") or "",
+                        "hostPath": {"path": str(self.claim_dir(ns, meta["name"]))},
+                        "claimRef": {"namespace": ns, "name": meta["name"], "uid": meta["uid"]},
+                    },
+                }
                 self.api.call("POST", "/api/v1/persistentvolumes", pv, ok=(201, 409))
 
     # what a container sees
@@ -886,11 +1037,17 @@ class PodRunner:
                 continue
             d.mkdir(parents=True, exist_ok=True)
             if "configMap" in v:
-                self._key_files(d, self._config_map(pod.ns, v["configMap"]["name"], v["configMap"].get("optional")),
-                                v["configMap"].get("items"))
+                self._key_files(
+                    d,
+                    self._config_map(pod.ns, v["configMap"]["name"], v["configMap"].get("optional")),
+                    v["configMap"].get("items"),
+                )
             elif "secret" in v:
-                self._key_files(d, self._secret(pod.ns, v["secret"]["secretName"], v["secret"].get("optional")),
-                                v["secret"].get("items"))
+                self._key_files(
+                    d,
+                    self._secret(pod.ns, v["secret"]["secretName"], v["secret"].get("optional")),
+                    v["secret"].get("items"),
+                )
             elif "downwardAPI" in v:
                 for item in v["downwardAPI"]["items"]:
                     self._write(d / item["path"], self._field(pod, item["fieldRef"]["fieldPath"]))
@@ -898,8 +1055,10 @@ class PodRunner:
                 for src in v["projected"]["sources"]:
                     self._projected(pod, d, src)
             elif "emptyDir" not in v:
-                raise RuntimeError(f"volume {name}: only configMap, secret, downwardAPI, projected, emptyDir and "
-                                   "persistentVolumeClaim are supported by the e2e pod runner")
+                raise RuntimeError(
+                    f"volume {name}: only configMap, secret, downwardAPI, projected, emptyDir and "
+                    "persistentVolumeClaim are supported by the e2e pod runner"
+                )
             out[name] = d
         return out
 
@@ -907,18 +1066,29 @@ class PodRunner:
         if "serviceAccountToken" in src:
             sa = pod.obj["spec"].get("serviceAccountName", "default")
             tok = src["serviceAccountToken"]
-            body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
-                "audiences": [tok["audience"]] if tok.get("audience") else None,
-                "expirationSeconds": tok.get("expirationSeconds", 3607),
-                "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod.name, "uid": pod.uid}}}
+            body = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "audiences": [tok["audience"]] if tok.get("audience") else None,
+                    "expirationSeconds": tok.get("expirationSeconds", 3607),
+                    "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod.name, "uid": pod.uid},
+                },
+            }
             out = self.api.call("POST", f"/api/v1/namespaces/{pod.ns}/serviceaccounts/{sa}/token", body)
             self._write(d / tok["path"], out["status"]["token"])
         elif "configMap" in src:
-            self._key_files(d, self._config_map(pod.ns, src["configMap"]["name"], src["configMap"].get("optional")),
-                            src["configMap"].get("items"))
+            self._key_files(
+                d,
+                self._config_map(pod.ns, src["configMap"]["name"], src["configMap"].get("optional")),
+                src["configMap"].get("items"),
+            )
         elif "secret" in src:
-            self._key_files(d, self._secret(pod.ns, src["secret"]["name"], src["secret"].get("optional")),
-                            src["secret"].get("items"))
+            self._key_files(
+                d,
+                self._secret(pod.ns, src["secret"]["name"], src["secret"].get("optional")),
+                src["secret"].get("items"),
+            )
         elif "downwardAPI" in src:
             for item in src["downwardAPI"]["items"]:
                 self._write(d / item["path"], self._field(pod, item["fieldRef"]["fieldPath"]))
@@ -929,14 +1099,15 @@ class PodRunner:
         path.write_bytes(text if isinstance(text, bytes) else text.encode())
 
     def _key_files(self, d: Path, data: dict[str, bytes], items: list | None) -> None:
-        for key, path in ([(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]):
+        for key, path in [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]:
             if key in data:
                 self._write(d / path, data[key])
 
     def _config_map(self, ns: str, name: str, optional: bool | None) -> dict[str, bytes]:
         obj = self.api.get(f"/api/v1/namespaces/{ns}/configmaps/{name}", missing_ok=bool(optional)) or {}
-        return {k: v.encode() for k, v in (obj.get("data") or {}).items()} | \
-            {k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()}
+        return {k: v.encode() for k, v in (obj.get("data") or {}).items()} | {
+            k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()
+        }
 
     def _secret(self, ns: str, name: str, optional: bool | None) -> dict[str, bytes]:
         obj = self.api.get(f"/api/v1/namespaces/{ns}/secrets/{name}", missing_ok=bool(optional)) or {}
@@ -982,12 +1153,17 @@ class PodRunner:
             (home / ".profile").write_text(f'export PATH="{self.venv}/bin:$PATH"\n')
         env = {
             "PATH": f"{self.venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": str(home), "HOSTNAME": pod.name, "PYTHONPATH": str(REPO), "LANG": "C.UTF-8",
+            "HOME": str(home),
+            "HOSTNAME": pod.name,
+            "PYTHONPATH": str(REPO),
+            "LANG": "C.UTF-8",
             # The image ships DeepSpeed's ops built; here torch builds them once per machine, shared by all pods.
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
             or str(Path.home() / ".cache" / "torch_extensions"),
-            "KUBERNETES_SERVICE_HOST": API_SERVICE_IP, "KUBERNETES_SERVICE_PORT": "443",
-            "KUBERNETES_SERVICE_PORT_HTTPS": "443", "KUBERNETES_PORT": f"tcp://{API_SERVICE_IP}:443",
+            "KUBERNETES_SERVICE_HOST": API_SERVICE_IP,
+            "KUBERNETES_SERVICE_PORT": "443",
+            "KUBERNETES_SERVICE_PORT_HTTPS": "443",
+            "KUBERNETES_PORT": f"tcp://{API_SERVICE_IP}:443",
         }
         for src in spec.get("envFrom", []):
             prefix = src.get("prefix", "")
@@ -1020,10 +1196,17 @@ class PodRunner:
         m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
         if m:
             return (meta.get(m.group(1)) or {}).get(m.group(2), "")
-        return {"metadata.name": pod.name, "metadata.namespace": pod.ns, "metadata.uid": pod.uid,
-                "spec.nodeName": self.node, "spec.serviceAccountName": pod.obj["spec"].get("serviceAccountName", ""),
-                "status.podIP": pod.ip, "status.podIPs": pod.ip, "status.hostIP": self.gateway,
-                "status.hostIPs": self.gateway}[path]
+        return {
+            "metadata.name": pod.name,
+            "metadata.namespace": pod.ns,
+            "metadata.uid": pod.uid,
+            "spec.nodeName": self.node,
+            "spec.serviceAccountName": pod.obj["spec"].get("serviceAccountName", ""),
+            "status.podIP": pod.ip,
+            "status.podIPs": pod.ip,
+            "status.hostIP": self.gateway,
+            "status.hostIPs": self.gateway,
+        }[path]
 
     def _resource(self, spec: dict, ref: dict) -> str:
         kind, res = ref["resource"].split(".", 1)
@@ -1048,14 +1231,18 @@ class PodRunner:
                 continue
             for obj in listed:
                 labels = obj["metadata"].get("labels") or {}
-                if obj["metadata"]["namespace"] != ns or obj["metadata"].get("deletionTimestamp") or \
-                        any(labels.get(k) != v for k, v in sel.items()):
+                if (
+                    obj["metadata"]["namespace"] != ns
+                    or obj["metadata"].get("deletionTimestamp")
+                    or any(labels.get(k) != v for k, v in sel.items())
+                ):
                     continue
                 pod = self.pods.get(obj["metadata"]["uid"])
                 if pod is None or pod.terminating:
                     continue
-                ready = any(c["type"] == "Ready" and c["status"] == "True"
-                            for c in obj.get("status", {}).get("conditions", []))
+                ready = any(
+                    c["type"] == "Ready" and c["status"] == "True" for c in obj.get("status", {}).get("conditions", [])
+                )
                 if ready or svc["spec"].get("publishNotReadyAddresses"):
                     out[svc["metadata"]["name"]] = pod.ip
                     break

@@ -37,16 +37,23 @@ def values_args(values: list[Path] = (), sets: list[str] = ()) -> list[str]:
     return args
 
 
-def install(cp: ControlPlane, release: str, ns: str, values: list[Path] = (), sets: list[str] = (),
-            check: bool = True, verb: str = "install"):
+def install(
+    cp: ControlPlane,
+    release: str,
+    ns: str,
+    values: list[Path] = (),
+    sets: list[str] = (),
+    check: bool = True,
+    verb: str = "install",
+):
     """`helm install` (Helm 4: server-side apply) of the chart; returns the CompletedProcess."""
-    return cp.helm(verb, release, str(CHART), "-n", ns, "--server-side=true", *values_args(values, sets),
-                   check=check)
+    return cp.helm(verb, release, str(CHART), "-n", ns, "--server-side=true", *values_args(values, sets), check=check)
 
 
 def rendered(release: str, ns: str, values: list[Path] = (), sets: list[str] = ()) -> list[dict]:
-    return k8s_support.parse(k8s_support.helm("template", release, str(CHART), "--namespace", ns,
-                                              *values_args(values, sets)).stdout)
+    return k8s_support.parse(
+        k8s_support.helm("template", release, str(CHART), "--namespace", ns, *values_args(values, sets)).stdout
+    )
 
 
 def get(cp: ControlPlane, kind: str, ns: str, name: str = "", selector: str = "") -> Any:
@@ -61,24 +68,30 @@ def job_status(cp: ControlPlane, ns: str, job: str) -> dict:
 
 def assert_not_validation_failed(cp: ControlPlane, ns: str, job: str) -> dict:
     """The RayJob's deployment status once the operator has set one; ValidationFailed fails with its reason."""
-    status = wait_for(lambda: job_status(cp, ns, job).get("jobDeploymentStatus") and job_status(cp, ns, job),
-                      f"jobDeploymentStatus on RayJob {ns}/{job}")
-    assert status["jobDeploymentStatus"] != "ValidationFailed", \
+    status = wait_for(
+        lambda: job_status(cp, ns, job).get("jobDeploymentStatus") and job_status(cp, ns, job),
+        f"jobDeploymentStatus on RayJob {ns}/{job}",
+    )
+    assert status["jobDeploymentStatus"] != "ValidationFailed", (
         f"KubeRay rejected RayJob {job}: {status.get('reason')} {status.get('message')}"
+    )
     return status
 
 
 def cluster_pods(cp: ControlPlane, ns: str, cluster: str, expected: int) -> list[dict]:
     """The head and worker pods the operator created for the RayCluster, once all `expected` exist."""
+
     def pods():
         items = (get(cp, "pods", ns, selector=f"ray.io/cluster={cluster}") or {}).get("items", [])
         return items if len(items) >= expected else None
+
     return wait_for(pods, f"{expected} pods of RayCluster {ns}/{cluster}")
 
 
 def expected_pod_count(spec: dict) -> int:
-    return 1 + sum(g.get("replicas", g.get("minReplicas", 0)) * g.get("numOfHosts", 1)
-                   for g in spec.get("workerGroupSpecs", []))
+    return 1 + sum(
+        g.get("replicas", g.get("minReplicas", 0)) * g.get("numOfHosts", 1) for g in spec.get("workerGroupSpecs", [])
+    )
 
 
 def group_of(pod: dict) -> str:
@@ -109,16 +122,19 @@ def check_pods(pods: list[dict], objects: list[dict], ns: str) -> None:
         got = ray_container(pod)
         for kind in ("requests", "limits"):
             for res, qty in (want.get("resources", {}).get(kind) or {}).items():
-                assert str(got["resources"].get(kind, {}).get(res)) == str(qty), \
+                assert str(got["resources"].get(kind, {}).get(res)) == str(qty), (
                     f"{where}: {kind}.{res} {got['resources'].get(kind, {}).get(res)!r}, chart says {qty!r}"
+                )
         m = mounts(pod)
         shm = m.get("/dev/shm", {})
         assert shm.get("emptyDir", {}).get("medium") == "Memory", f"{where}: /dev/shm is {shm}"
-        assert any(v.get("configMap", {}).get("name") in config_maps for v in m.values()), \
+        assert any(v.get("configMap", {}).get("name") in config_maps for v in m.values()), (
             f"{where}: the chart's ConfigMap {config_maps} is not mounted"
+        )
         claim = {p: v["persistentVolumeClaim"]["claimName"] for p, v in m.items() if "persistentVolumeClaim" in v}
         assert claim, f"{where}: no checkpoint claim mounted"
         claims |= set(claim.items())
-        assert pod["spec"].get("serviceAccountName") == tpl.get("serviceAccountName", "default"), \
+        assert pod["spec"].get("serviceAccountName") == tpl.get("serviceAccountName", "default"), (
             f"{where}: service account {pod['spec'].get('serviceAccountName')!r}"
+        )
     assert len(claims) == 1, f"the claim is not at one path with one name in every group: {sorted(claims)}"

@@ -52,8 +52,14 @@ def test_the_charts_serviceaccount_may_publish_progress_and_nothing_else(cluster
     other.update({"step": 1}, force=True)
     other.close()
     assert other.published == 0 and progress_of(cluster, ns, "exp-b") is None
-    for args in (["get", "rayjob", "exp-b"], ["delete", "rayjob", "exp-a"], ["get", "rayjobs"], ["get", "secrets"],
-                 ["get", "pods"], ["get", "pod", "exp-a-head"]):
+    for args in (
+        ["get", "rayjob", "exp-b"],
+        ["delete", "rayjob", "exp-a"],
+        ["get", "rayjobs"],
+        ["get", "secrets"],
+        ["get", "pods"],
+        ["get", "pod", "exp-a-head"],
+    ):
         out = cluster.kubectl(*args, "-n", ns, kubeconfig=cfg, check=False)
         assert out.returncode != 0 and "Forbidden" in out.stderr, (args, out.stderr)
     # Allowed: the driver's lease records its own RayJob's uid, read by name with this account.
@@ -78,8 +84,14 @@ def test_status_and_resume_with_an_admin(cluster, namespace, tmp_path):
     support.install(cluster, "ft", ns)
     support.assert_not_validation_failed(cluster, ns, "ft")
     first = support.wait_for(lambda: support.job_status(cluster, ns, "ft").get("rayClusterName"), "RayCluster")
-    cluster.kubectl("annotate", "rayjob", "ft", "-n", ns,
-                    f"{kube.PROGRESS_ANNOTATION}={json.dumps({'step': 3, 'total_steps': 10, 'loss': 2.25})}")
+    cluster.kubectl(
+        "annotate",
+        "rayjob",
+        "ft",
+        "-n",
+        ns,
+        f"{kube.PROGRESS_ANNOTATION}={json.dumps({'step': 3, 'total_steps': 10, 'loss': 2.25})}",
+    )
     env = {"KUBECONFIG": str(cluster.admin_kubeconfig)}
 
     out = run_cli("status", "ft", "-n", ns, "-o", "json", env=env, timeout=60)

@@ -19,8 +19,10 @@ def check_reconciled(cluster, ns: str, objects: list[dict]) -> None:
     job = k8s_support.one(objects, "RayJob")
     status = support.assert_not_validation_failed(cluster, ns, job["metadata"]["name"])
     if "rayClusterSpec" in job["spec"]:
-        name = support.wait_for(lambda: support.job_status(cluster, ns, job["metadata"]["name"]).get("rayClusterName"),
-                                "rayClusterName on the RayJob")
+        name = support.wait_for(
+            lambda: support.job_status(cluster, ns, job["metadata"]["name"]).get("rayClusterName"),
+            "rayClusterName on the RayJob",
+        )
     else:
         name = job["spec"]["clusterSelector"]["ray.io/cluster"]
     assert status["jobDeploymentStatus"] in {"Initializing", "Waiting", "Running"}, status
@@ -31,9 +33,14 @@ def check_reconciled(cluster, ns: str, objects: list[dict]) -> None:
         for pod in pods:
             env = {e["name"]: e for e in support.ray_container(pod).get("env", [])}
             ref = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef")
-            assert ref, f"pod {pod['metadata']['name']}: RAY_AUTH_TOKEN does not come from a Secret: {env.get('RAY_AUTH_TOKEN')}"
+            assert ref, (
+                f"pod {pod['metadata']['name']}: RAY_AUTH_TOKEN does not come from a Secret: "
+                f"{env.get('RAY_AUTH_TOKEN')}"
+            )
             secret = support.get(cluster, "secret", ns, ref["name"])
-            assert secret and ref["key"] in secret.get("data", {}), f"token Secret {ns}/{ref['name']} missing or without {ref['key']}"
+            assert secret and ref["key"] in secret.get("data", {}), (
+                f"token Secret {ns}/{ref['name']} missing or without {ref['key']}"
+            )
 
 
 @pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
@@ -55,8 +62,9 @@ def test_kubectl_apply_f_k8s_in_default(cluster):
         cluster.kubectl("delete", "-f", str(k8s_support.K8S), "--wait=false", check=False)
 
 
-@pytest.mark.parametrize("path", [k8s_support.K8S, k8s_support.REPO / "examples" / "k8s-overlay"],
-                         ids=["k8s", "k8s-overlay"])
+@pytest.mark.parametrize(
+    "path", [k8s_support.K8S, k8s_support.REPO / "examples" / "k8s-overlay"], ids=["k8s", "k8s-overlay"]
+)
 def test_kubectl_apply_k(cluster, namespace, path):
     cluster.kubectl("apply", "-k", str(path), "-n", namespace)
     check_reconciled(cluster, namespace, kustomized(cluster, path))

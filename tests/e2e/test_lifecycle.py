@@ -15,14 +15,18 @@ def uid(cluster, kind: str, ns: str, name: str) -> str | None:
 
 
 def ray_cluster_of(cluster, ns: str, job: str) -> str:
-    return support.wait_for(lambda: support.job_status(cluster, ns, job).get("rayClusterName"),
-                            f"RayCluster of RayJob {ns}/{job}")
+    return support.wait_for(
+        lambda: support.job_status(cluster, ns, job).get("rayClusterName"), f"RayCluster of RayJob {ns}/{job}"
+    )
 
 
 def gone(cluster, ns: str, ray_cluster: str) -> bool:
     pods = (support.get(cluster, "pods", ns, selector=f"ray.io/cluster={ray_cluster}") or {}).get("items", [])
-    return not support.get(cluster, "rayjob", ns, "ft") and not support.get(cluster, "raycluster", ns, ray_cluster) \
+    return (
+        not support.get(cluster, "rayjob", ns, "ft")
+        and not support.get(cluster, "raycluster", ns, ray_cluster)
         and not pods
+    )
 
 
 def refused_second_release(cluster, ns: str, kind: str) -> None:
@@ -53,8 +57,11 @@ def test_uninstall_keeps_the_claim_and_reinstall_adopts_it(cluster, namespace):
     assert uid(cluster, "pvc", ns, "ft") == claim, "reinstall did not adopt the kept claim"
     pods = support.cluster_pods(cluster, ns, second, 3)
     for pod in pods:
-        claims = {v["persistentVolumeClaim"]["claimName"] for v in support.mounts(pod).values()
-                  if "persistentVolumeClaim" in v}
+        claims = {
+            v["persistentVolumeClaim"]["claimName"]
+            for v in support.mounts(pod).values()
+            if "persistentVolumeClaim" in v
+        }
         assert claims == {"ft"}, f"pod {pod['metadata']['name']} mounts {claims}"
 
 
@@ -71,8 +78,9 @@ def test_upgrade_with_changed_values_recreates_the_job(cluster, namespace):
 
     smaller = ["workers.gpu.replicas=1", "workers.gpu.maxReplicas=1"]
     out = support.install(cluster, "ft", ns, sets=smaller, verb="upgrade", check=False)
-    assert out.returncode != 0 and f"kubectl delete rayjob ft -n {ns}, then run this helm upgrade again" in out.stderr, \
-        out.stderr
+    assert (
+        out.returncode != 0 and f"kubectl delete rayjob ft -n {ns}, then run this helm upgrade again" in out.stderr
+    ), out.stderr
     assert uid(cluster, "rayjob", ns, "ft") == job
 
     cluster.kubectl("delete", "rayjob", "ft", "-n", ns)

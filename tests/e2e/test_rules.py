@@ -16,8 +16,9 @@ PERSISTENT = k8s_support.REPO / "examples" / "values-persistent.yaml"
 
 
 def apply(cluster, ns: str, objects: list[dict], check: bool = True):
-    return cluster.kubectl("apply", "--server-side", "-n", ns, "-f", "-", check=check,
-                           stdin="\n---\n".join(json.dumps(o) for o in objects))
+    return cluster.kubectl(
+        "apply", "--server-side", "-n", ns, "-f", "-", check=check, stdin="\n---\n".join(json.dumps(o) for o in objects)
+    )
 
 
 def test_persistent_mode_backoff_limit(cluster, namespace):
@@ -28,8 +29,9 @@ def test_persistent_mode_backoff_limit(cluster, namespace):
     job = k8s_support.one(objects, "RayJob")
     job["spec"]["backoffLimit"] = 2  # what the chart rendered before the check
     apply(cluster, namespace, objects)
-    status = support.wait_for(lambda: support.job_status(cluster, namespace, "ft").get("jobDeploymentStatus"),
-                              "a deployment status")
+    status = support.wait_for(
+        lambda: support.job_status(cluster, namespace, "ft").get("jobDeploymentStatus"), "a deployment status"
+    )
     assert status == "ValidationFailed", status
     events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.kind=RayJob").stdout
     assert "BackoffLimit is incompatible with ClusterSelector mode" in events, events

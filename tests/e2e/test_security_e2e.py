@@ -8,26 +8,38 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
-
 import k8s_support
-from e2e import support
+import pytest
 from test_security import as_created
+
+from e2e import support
 
 pytestmark = pytest.mark.e2e
 
 
 def dry_run_pod(cluster, ns: str, name: str, template: dict):
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {**template.get("metadata", {}), "name": name},
-           "spec": template["spec"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template.get("metadata", {}), "name": name},
+        "spec": template["spec"],
+    }
     return cluster.kubectl("create", "-n", ns, "--dry-run=server", "-f", "-", stdin=json.dumps(pod), check=False)
 
 
-@pytest.mark.parametrize("values", [[]] + [[p] for p in k8s_support.EXAMPLE_VALUES],
-                         ids=["defaults"] + [p.stem for p in k8s_support.EXAMPLE_VALUES])
+@pytest.mark.parametrize(
+    "values",
+    [[]] + [[p] for p in k8s_support.EXAMPLE_VALUES],
+    ids=["defaults"] + [p.stem for p in k8s_support.EXAMPLE_VALUES],
+)
 def test_restricted_namespace_admits_every_pod(cluster, namespace, values):
-    cluster.kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted",
-                    "pod-security.kubernetes.io/enforce-version=latest")
+    cluster.kubectl(
+        "label",
+        "namespace",
+        namespace,
+        "pod-security.kubernetes.io/enforce=restricted",
+        "pod-security.kubernetes.io/enforce-version=latest",
+    )
     objects = support.rendered("ft", namespace, values)
     support.install(cluster, "ft", namespace, values)  # the ServiceAccount the pods name must exist
     templates = as_created(objects)
@@ -43,8 +55,10 @@ def test_restricted_namespace_admits_every_pod(cluster, namespace, values):
     job = k8s_support.one(objects, "RayJob")
     support.assert_not_validation_failed(cluster, namespace, job["metadata"]["name"])
     if "rayClusterSpec" in job["spec"]:
-        name = support.wait_for(lambda: support.job_status(cluster, namespace, job["metadata"]["name"]).get(
-            "rayClusterName"), "rayClusterName on the RayJob")
+        name = support.wait_for(
+            lambda: support.job_status(cluster, namespace, job["metadata"]["name"]).get("rayClusterName"),
+            "rayClusterName on the RayJob",
+        )
     else:
         name = job["spec"]["clusterSelector"]["ray.io/cluster"]
     spec = k8s_support.cluster_spec(objects)

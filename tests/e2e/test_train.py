@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+import k8s_support
 import pytest
 import yaml
 
-import k8s_support
 from e2e import support
 from e2e.controlplane import REPO
 
@@ -54,6 +54,7 @@ def running_pods(cluster, ns: str, selector: str, count: int) -> list[dict]:
         items = (support.get(cluster, "pods", ns, selector=selector) or {}).get("items", [])
         running = [p for p in items if p.get("status", {}).get("phase") == "Running"]
         return running if len(running) >= count else None
+
     return support.wait_for(pods, f"{count} running pods with {selector}", timeout=180)
 
 
@@ -68,16 +69,18 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def finetune_status(cluster, ns: str, experiment: str) -> subprocess.CompletedProcess:
-    return subprocess.run([FINETUNE, "status", experiment, "-n", ns], capture_output=True, text=True,
-                          env=cluster.env(), timeout=60)
+    return subprocess.run(
+        [FINETUNE, "status", experiment, "-n", ns], capture_output=True, text=True, env=cluster.env(), timeout=60
+    )
 
 
 def test_helm_install_trains_the_tiny_model(cluster, namespace, pod_runner, tiny_model):
     ns, t0 = namespace, time.monotonic()
     claim = put_model(pod_runner, ns, "ft", tiny_model)
     support.install(cluster, "ft", ns, CPU_VALUES)
-    ray_cluster = support.wait_for(lambda: support.job_status(cluster, ns, "ft").get("rayClusterName"),
-                                   "rayClusterName on the RayJob")
+    ray_cluster = support.wait_for(
+        lambda: support.job_status(cluster, ns, "ft").get("rayClusterName"), "rayClusterName on the RayJob"
+    )
     pods = running_pods(cluster, ns, f"ray.io/cluster={ray_cluster}", 3)
     assert sorted(support.group_of(p) for p in pods) == ["head", "worker/cpu", "worker/cpu"]
 
@@ -125,13 +128,15 @@ def assert_trained(cluster, runner, ns: str, experiment: str, claim: Path) -> No
     """The RayJob ends Succeeded, metrics reach the last step, final/ loads with from_pretrained, and
     `finetune status` shows the job succeeded with its progress at the last step."""
     status = wait_job_end(cluster, runner, ns, experiment)
-    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
+    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
         f"{status}\n{runner.logs(ns)[-30000:]}"
+    )
     run = claim / experiment
     steps = runs(run)[-1]  # the last attempt's
     assert steps[-1] == total_steps(CPU_VALUES[0]) and steps == sorted(set(steps)), runs(run)
 
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert sum(p.numel() for p in model.parameters()) > 0
 
@@ -149,7 +154,8 @@ def test_kubectl_apply_k_of_the_cpu_overlay_trains(cluster, namespace, pod_runne
     shutil.copytree(REPO / "examples" / "k8s-cpu-overlay", tmp_path / "examples" / "k8s-cpu-overlay")
     (tmp_path / "here").mkdir()
     (tmp_path / "here" / "kustomization.yaml").write_text(
-        f"resources: [../examples/k8s-cpu-overlay]\nnamespace: {ns}\n")
+        f"resources: [../examples/k8s-cpu-overlay]\nnamespace: {ns}\n"
+    )
     claim = put_model(pod_runner, ns, "gpt2-agnews", tiny_model)
     cluster.kubectl("apply", "-k", str(tmp_path / "here"))
     assert_trained(cluster, pod_runner, ns, "gpt2-agnews", claim)
@@ -185,6 +191,7 @@ def registered(run: Path, step: int, timeout: float = 60) -> None:
         except (OSError, ValueError):
             return False
         return latest.get("checkpoint_dir_name", "").endswith(name)
+
     support.wait_for(done, f"Ray's record of checkpoint {name} in {snapshot}", timeout=timeout)
 
 
@@ -203,8 +210,9 @@ def rank_worker(cluster, runner, ns: str, ray_cluster: str) -> dict:
     """A worker pod that runs a Ray Train rank (with values-cpu.yaml the head has a CPU, so one rank may run there)."""
     workers = running_pods(cluster, ns, f"ray.io/cluster={ray_cluster},ray.io/node-type=worker", 2)
     ranked = runner.pods_running(ns, "ray::RayTrainWorker")
-    return next((p for p in workers if p["metadata"]["name"] in ranked), None) or \
-        pytest.fail(f"no worker pod runs a rank: {ranked}")
+    return next((p for p in workers if p["metadata"]["name"] in ranked), None) or pytest.fail(
+        f"no worker pod runs a rank: {ranked}"
+    )
 
 
 def log_every() -> int:
@@ -224,14 +232,18 @@ def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, pod_runner, tiny
     t0 = time.monotonic()
     cluster.kubectl("delete", "rayjob", "ft", "-n", ns)
     cluster.helm("uninstall", "ft", "-n", ns)
-    support.wait_for(lambda: not support.get(cluster, "pods", ns, selector=f"ray.io/cluster={first}")["items"],
-                     "the first cluster's pods gone", timeout=300)
+    support.wait_for(
+        lambda: not support.get(cluster, "pods", ns, selector=f"ray.io/cluster={first}")["items"],
+        "the first cluster's pods gone",
+        timeout=300,
+    )
     print(f"\nRayJob deleted -> the first cluster's pods gone: {time.monotonic() - t0:.0f} s")
 
     install(cluster, ns)  # the same release name, without the fault
     status = wait_job_end(cluster, pod_runner, ns, "ft")
-    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
+    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
         f"{status}\n{pod_runner.logs(ns)[-30000:]}"
+    )
     attempts = runs(run)
     assert len(attempts) == 2, attempts
     before, after = attempts
@@ -261,12 +273,15 @@ def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_mode
     cluster.kubectl("delete", "pod", name, "-n", ns, "--grace-period=0", "--force")
     support.wait_for(lambda: not pod_runner.running(ns, name), f"pod {name}'s processes gone")
     (run / ".fault-continue-before_shards-15").touch()  # the next attempt passes step 15 without a pause
-    support.wait_for(lambda: len(runs(run)) > 1, "a training step after the worker pod was lost", timeout=TRAIN_TIMEOUT_S)
+    support.wait_for(
+        lambda: len(runs(run)) > 1, "a training step after the worker pod was lost", timeout=TRAIN_TIMEOUT_S
+    )
     print(f"\nworker pod deleted -> training again: {time.monotonic() - t_delete:.0f} s")
 
     status = wait_job_end(cluster, pod_runner, ns, "ft")
-    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
+    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
         f"{status}\n{pod_runner.logs(ns)[-30000:]}"
+    )
     before, after = runs(run)[0], runs(run)[-1]
     assert 10 <= before[-1] < 15 and 10 < after[0] <= 10 + log_every(), runs(run)
     assert after[-1] == total_steps(CPU_VALUES[0]) and after == sorted(set(after)), runs(run)
@@ -278,7 +293,8 @@ def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_mode
 
 
 def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_nothing(
-        cluster, namespace, pod_runner, tiny_model):
+    cluster, namespace, pod_runner, tiny_model
+):
     """`kubectl delete pod` of a worker while the job trains, with the chart's grace period (a preemption: a
     node drain, a spot reclaim). The kubelet runs the pod's preStop hook, `finetune preempt`, which asks the run
     to stop; rank 0 is held at the start of step 10's save (in the loop, before the state is copied for the
@@ -289,8 +305,9 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
     finishes: no step redone, none skipped, no complete checkpoint lost."""
     ns = namespace
     run = put_model(pod_runner, ns, "ft", tiny_model) / "ft"
-    install(cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:10")
-            + ["training.train.log_every_steps=1"])  # every step in metrics.jsonl: which ran, in which attempt
+    install(
+        cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:10") + ["training.train.log_every_steps=1"]
+    )  # every step in metrics.jsonl: which ran, in which attempt
     paused(run, "before_shards", 10)
     complete = sorted(p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists())
     ray_cluster = support.job_status(cluster, ns, "ft")["rayClusterName"]
@@ -307,13 +324,15 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
     def gone():
         pods = support.get(cluster, "pods", ns)
         return pods is not None and name not in {p["metadata"]["name"] for p in pods["items"]}
+
     support.wait_for(gone, f"worker pod {name} gone", timeout=grace)
     t_gone = time.monotonic() - t_delete
 
     status = wait_job_end(cluster, pod_runner, ns, "ft")
     logs = pod_runner.logs(ns)
-    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), \
+    assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
         f"{status}\n{logs[-30000:]}"
+    )
     assert "preempted at step 11, checkpoint written in" in logs and "to resume at step 12" in logs, logs[-30000:]
     assert runs(run) == [list(range(1, 12)), list(range(12, total_steps(CPU_VALUES[0]) + 1))], runs(run)
     assert status.get("failed") == 1, status  # one KubeRay retry: the preempted attempt
@@ -321,16 +340,23 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
     keep = yaml.safe_load(CPU_VALUES[0].read_text())["training"]["checkpoint"]["keep"]
     assert "step-00000011" in still and len(still) == keep and max(still) > max(complete), (complete, sorted(still))
     assert t_gone < grace / 2, f"pod {name} took {t_gone:.0f} s of its {grace} s grace period to end"
-    print(f"\nworker pod deleted (grace {grace} s) -> pod gone {t_gone:.0f} s -> job complete "
-          f"{time.monotonic() - t_delete:.0f} s; preempted at step 11, resumed at 12 after 1 KubeRay retry")
+    print(
+        f"\nworker pod deleted (grace {grace} s) -> pod gone {t_gone:.0f} s -> job complete "
+        f"{time.monotonic() - t_delete:.0f} s; preempted at step 11, resumed at 12 after 1 KubeRay retry"
+    )
 
 
 def test_restricted_namespace_trains(cluster, namespace, pod_runner, tiny_model):
     """Pod Security "restricted" enforced by the real admission plugin: the head, workers and submitter are
     admitted and the job trains to the end."""
     ns = namespace
-    cluster.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted",
-                    "pod-security.kubernetes.io/enforce-version=latest")
+    cluster.kubectl(
+        "label",
+        "namespace",
+        ns,
+        "pod-security.kubernetes.io/enforce=restricted",
+        "pod-security.kubernetes.io/enforce-version=latest",
+    )
     claim = put_model(pod_runner, ns, "ft", tiny_model)
     install(cluster, ns)
     assert_trained(cluster, pod_runner, ns, "ft", claim)
@@ -359,12 +385,14 @@ def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, pod_ru
     def stopped():
         jobs = json.loads(dashboard_get(ip, "/api/jobs/", token)[1])
         return jobs and all(j["status"] in ("STOPPED", "FAILED", "SUCCEEDED") for j in jobs)
+
     support.wait_for(stopped, "the first Ray job stopped on the persistent cluster")
     # The cluster's pods keep the fault's env: let the second job pass step 15 without a pause.
     (run / ".fault-continue-before_shards-15").touch()
     cluster.helm("upgrade", "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
     assert_trained(cluster, pod_runner, ns, "ft", claim)
-    assert {p["metadata"]["uid"] for p in running_pods(cluster, ns, "ray.io/cluster=ft", 3)} == pods, \
+    assert {p["metadata"]["uid"] for p in running_pods(cluster, ns, "ray.io/cluster=ft", 3)} == pods, (
         "the second job did not run on the same cluster's pods"
+    )
     first, second = runs(run)
     assert 10 <= first[-1] < 15 and 10 < second[0] <= 10 + log_every(), (first, second)
