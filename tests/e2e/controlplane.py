@@ -36,6 +36,9 @@ OPERATOR_NS = "kuberay-system"
 OPERATOR_SA = "kuberay-operator"
 SERVICE_CIDR = "10.96.0.0/16"
 START_TIMEOUT_S = 120
+EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+KUBELET_CLIENT_USER = "kube-apiserver-kubelet-client"  # the API server's identity towards kubelets
+ADMISSION = "NamespaceLifecycle,ServiceAccount,PodSecurity,LimitRanger,ResourceQuota"
 
 
 class ControlPlaneError(RuntimeError):
@@ -64,71 +67,58 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def spawn(logs: Path, name: str, argv: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """Starts `argv` in a process group of its own that dies with this process, output in logs/NAME.log."""
+    with open(logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            env=env or os.environ.copy(),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
 def openssl(*args: str, cwd: Path) -> None:
     out = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
     if out.returncode:
         raise ControlPlaneError(f"openssl {' '.join(args)} failed: {out.stderr.strip()}")
 
 
-def make_pki(d: Path) -> None:
-    """A CA, the API server's serving certificate for loopback, client certificates for the admin and the
-    control-plane components (their names are what the default RBAC bindings expect), and the key pair that
-    signs service-account tokens."""
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+def sign_leaf(d: Path, name: str, subject: str, usage: str, san: str | None = None) -> None:
+    """NAME.key and NAME.crt in `d`, signed by the CA there: `usage` serverAuth or clientAuth, `san` like
+    'IP:127.0.0.1,DNS:localhost' for a server."""
+    ext = f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage={usage}\n"
+    if san:
+        ext += f"subjectAltName={san}\n"
+    (d / f"{name}.ext").write_text(ext)
+    openssl("req", "-new", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=d)
     openssl(
-        "req",
-        "-x509",
-        *ec,
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=finetune-e2e-ca",
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
+        "x509",
+        *("-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2"),
+        *("-out", f"{name}.crt", "-extfile", f"{name}.ext"),
         cwd=d,
     )
-    leaves = {
-        "apiserver": (
-            "/CN=kube-apiserver",
-            "serverAuth",
-            "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc",
-        ),
-        "admin": ("/O=system:masters/CN=e2e-admin", "clientAuth", None),
-        "controller-manager": ("/CN=system:kube-controller-manager", "clientAuth", None),
-        "scheduler": ("/CN=system:kube-scheduler", "clientAuth", None),
-    }
-    for name, (subject, usage, san) in leaves.items():
-        ext = (
-            f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage={usage}\n"
-        )
-        if san:
-            ext += f"subjectAltName={san}\n"
-        (d / f"{name}.ext").write_text(ext)
-        openssl("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, cwd=d)
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-out",
-            f"{name}.crt",
-            "-extfile",
-            f"{name}.ext",
-            cwd=d,
-        )
+
+
+def make_pki(d: Path, address: str = "127.0.0.1") -> None:
+    """A CA, the API server's serving certificate for `address` (and loopback), client certificates for the
+    admin and the control-plane components (their names are what the default RBAC bindings expect), and the
+    key pair that signs service-account tokens."""
+    openssl(
+        *("req", "-x509", *EC_KEY, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=finetune-e2e-ca"),
+        *("-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"),
+        cwd=d,
+    )
+    names = "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc"
+    sign_leaf(d, "apiserver", "/CN=kube-apiserver", "serverAuth", f"IP:127.0.0.1,IP:{address},IP:10.96.0.1,{names}")
+    sign_leaf(d, "admin", "/O=system:masters/CN=e2e-admin", "clientAuth")
+    sign_leaf(d, "controller-manager", "/CN=system:kube-controller-manager", "clientAuth")
+    sign_leaf(d, "scheduler", "/CN=system:kube-scheduler", "clientAuth")
+    sign_leaf(d, "apiserver-kubelet-client", f"/CN={KUBELET_CLIENT_USER}", "clientAuth")
     openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
     openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
@@ -156,6 +146,9 @@ class ControlPlane:
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="finetune-e2e-")))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    # None: loopback only, no kubelet. An address (tests/e2e/node.py's bridge): the API server serves there,
+    # the `kubernetes` Service's endpoint is there (pods reach it), and it accepts and calls a real kubelet.
+    node_address: str | None = None
 
     # --- paths and clients ---------------------------------------------------------------------------------
 
@@ -215,7 +208,7 @@ class ControlPlane:
             bins = Path(self.versions["KUBERNETES"])
             self.pki.mkdir(parents=True)
             (self.root / "logs").mkdir()
-            make_pki(self.pki)
+            make_pki(self.pki, self.node_address or "127.0.0.1")
             self._start_etcd(bins)
             self._start_apiserver(bins)
             self._start_controllers(bins)
@@ -226,18 +219,7 @@ class ControlPlane:
         return self
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
-        log = open(self.root / "logs" / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
-        self.procs[name] = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=self.root,
-            env=env or os.environ.copy(),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
+        self.procs[name] = spawn(self.root / "logs", name, argv, self.root, env)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         path = self.root / "logs" / f"{name}.log"
@@ -286,9 +268,30 @@ class ControlPlane:
         )
         self.wait("etcd", lambda: http_get(f"127.0.0.1:{client}", "/health") == 200, "health")
 
+    def _node_flags(self) -> list[str]:
+        """The API server's flags that differ when a real kubelet joins (tests/e2e/node.py)."""
+        if not self.node_address:
+            # Loopback cannot be an Endpoints address: the `kubernetes` Service gets none (nothing in-cluster here).
+            return [
+                "--endpoint-reconciler-type",
+                "none",
+                "--authorization-mode",
+                "RBAC",
+                "--enable-admission-plugins",
+                ADMISSION,
+            ]
+        p = self.pki
+        return [
+            *("--authorization-mode", "Node,RBAC", "--enable-admission-plugins", f"{ADMISSION},NodeRestriction"),
+            *("--kubelet-client-certificate", str(p / "apiserver-kubelet-client.crt")),
+            *("--kubelet-client-key", str(p / "apiserver-kubelet-client.key")),
+            *("--kubelet-certificate-authority", str(p / "ca.crt"), "--kubelet-preferred-address-types", "InternalIP"),
+        ]
+
     def _start_apiserver(self, bins: Path) -> None:
         port = free_port()
-        self.server = f"https://127.0.0.1:{port}"
+        address = self.node_address or "127.0.0.1"
+        self.server = f"https://{address}:{port}"
         p = self.pki
         self.spawn(
             "kube-apiserver",
@@ -297,24 +300,18 @@ class ControlPlane:
                 "--etcd-servers",
                 self.etcd_url,
                 "--bind-address",
-                "127.0.0.1",
+                address,
                 "--advertise-address",
-                "127.0.0.1",
+                address,
                 "--secure-port",
                 str(port),
-                # Loopback cannot be an Endpoints address: the `kubernetes` Service gets none (nothing in-cluster here).
-                "--endpoint-reconciler-type",
-                "none",
+                *self._node_flags(),
                 "--tls-cert-file",
                 str(p / "apiserver.crt"),
                 "--tls-private-key-file",
                 str(p / "apiserver.key"),
                 "--client-ca-file",
                 str(p / "ca.crt"),
-                "--authorization-mode",
-                "RBAC",
-                "--enable-admission-plugins",
-                "NamespaceLifecycle,ServiceAccount,PodSecurity,LimitRanger,ResourceQuota",
                 "--service-account-issuer",
                 "https://kubernetes.default.svc.cluster.local",
                 "--service-account-key-file",
@@ -332,7 +329,18 @@ class ControlPlane:
         kubeconfig(self.admin_kubeconfig, self.server, p / "ca.crt", cert=p / "admin.crt", key=p / "admin.key")
         ctx = ssl.create_default_context(cafile=str(p / "ca.crt"))
         ctx.load_cert_chain(str(p / "admin.crt"), str(p / "admin.key"))
-        self.wait("kube-apiserver", lambda: https_get(f"127.0.0.1:{port}", "/readyz", ctx) == 200, "/readyz")
+        self.wait("kube-apiserver", lambda: https_get(f"{address}:{port}", "/readyz", ctx) == 200, "/readyz")
+        if self.node_address:
+            # Without it the kubelet refuses the API server (logs, exec, port-forward): Forbidden nodes/proxy.
+            self.kubectl(
+                "create",
+                "clusterrolebinding",
+                "e2e-kubelet-api-admin",
+                "--clusterrole",
+                "system:kubelet-api-admin",
+                "--user",
+                KUBELET_CLIENT_USER,
+            )
 
     def _start_controllers(self, bins: Path) -> None:
         p = self.pki

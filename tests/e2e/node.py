@@ -1,0 +1,541 @@
+"""A real Kubernetes node for the e2e tests, on the control plane of tests/e2e/controlplane.py.
+
+containerd (runc, overlayfs, its own config and state), the CNI bridge plugin on a bridge of our own, the
+kubelet registered with the API server (TLS both ways, webhook authn/authz), kube-proxy (nftables mode:
+Service ClusterIPs, including `kubernetes`, from pods), CoreDNS on the bridge address behind the `kube-dns`
+Service (cluster.local names resolve in pods) and a local image registry (tools/node/registry.sh) with the
+pause image and a static busybox image built here (tools/node/images.sh): no public registry is reachable.
+Why each setting is what it is: docs/kubernetes.md, "A real node".
+
+Everything lies under one state folder, but for what containerd 1.6 and the kubelet write at fixed places
+(/run/containerd, /var/lib/kubelet, /var/lib/cni), three global sysctls the kubelet rewrites, the `kubepods`
+cgroups, kube-proxy's nftables tables and the bridge. `stop()` removes or restores all of it (also registered
+with atexit, so a failing, interrupted or terminated run cleans up), and `leftovers()` names whatever is still
+there: the test fails on it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from e2e.controlplane import REPO, ControlPlane, free_port, kill_group, kubeconfig, sign_leaf, spawn
+
+NODE_TOOLS = REPO / "tools" / "node"
+NODE_NAME = "e2e-node"
+BRIDGE = "ftnode0"  # podrunner's bridge is another one: both may exist at once
+SUBNET = "10.244.77.0/24"
+GATEWAY = "10.244.77.1"  # on the bridge: node IP, API server, kubelet, CoreDNS; pods' default route
+CLUSTER_DNS = "10.96.0.10"  # the kube-dns Service, in controlplane.SERVICE_CIDR
+# The kubelet sets these for its own needs (kubelet/cm/container_manager_linux.go); restored at teardown.
+SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops")
+# Written by containerd 1.6 or the kubelet whatever their configured folders; removed when this created them.
+FIXED_PATHS = ("/run/containerd", "/var/lib/kubelet", "/var/lib/cni", "/opt/containerd", "/etc/cni")
+NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
+READY_TIMEOUT_S = 120
+
+
+class NodeError(RuntimeError):
+    pass
+
+
+def sh(*argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode:
+        raise NodeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}")
+    return out
+
+
+def sysctl_path(key: str) -> Path:
+    return Path("/proc/sys") / key.replace(".", "/")
+
+
+def cgroup_mounts() -> list[Path]:
+    """Every cgroup (v1 and v2) hierarchy's mount point."""
+    mounts = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split()[0] in ("cgroup", "cgroup2"):
+            mounts.append(Path(left.split()[4]))
+    return mounts
+
+
+def mounts_under(root: Path) -> list[str]:
+    """Mount points at or under `root`, deepest first."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4].encode().decode("unicode_escape")
+        if point == str(root) or point.startswith(f"{root}/"):
+            points.append(point)
+    return sorted(points, key=len, reverse=True)
+
+
+def shim_pids(socket: Path) -> list[int]:
+    """containerd shims (they leave containerd's process group by design) serving `socket`'s containerd."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"containerd-shim" in argv[0] and str(socket).encode() in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+def kubepods_pids() -> list[int]:
+    pids = set()
+    for mount in cgroup_mounts():
+        for procs in (mount / "kubepods").rglob("cgroup.procs") if (mount / "kubepods").is_dir() else ():
+            pids.update(int(p) for p in procs.read_text().split())
+    return sorted(pids)
+
+
+@dataclass
+class Node:
+    kubectl_bin: str
+    helm_bin: str
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ftnode-")))
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    sysctls: dict[str, str] = field(default_factory=dict)
+    existed: dict[str, bool] = field(default_factory=dict)
+    images: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    cluster: ControlPlane | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "containerd.sock"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    # --- life cycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> Node:
+        atexit.register(self.stop)
+        t0 = time.monotonic()
+        try:
+            sh("bash", str(NODE_TOOLS / "install.sh"), timeout=600)
+            self.sysctls = {k: sysctl_path(k).read_text().strip() for k in SYSCTLS}
+            self.existed = {p: os.path.lexists(p) for p in FIXED_PATHS}
+            self.logs.mkdir()
+            self._bridge_up()
+            self.cluster = ControlPlane(self.kubectl_bin, self.helm_bin, node_address=GATEWAY).start()
+            t = time.monotonic()
+            self._start_registry()
+            self.timings["registry_and_images_s"], t = time.monotonic() - t, time.monotonic()
+            self._start_containerd()
+            self._start_kubelet()
+            self.timings["containerd_and_kubelet_to_ready_s"], t = time.monotonic() - t, time.monotonic()
+            self._start_kube_proxy()
+            self._start_coredns()
+            self.timings["kube_proxy_and_coredns_s"] = time.monotonic() - t
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["start_s"] = time.monotonic() - t0
+        return self
+
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
+        self.procs[name] = spawn(self.logs, name, argv, self.root, env)
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.logs / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def wait(self, name: str, ready, what: str, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                raise NodeError(f"{name} exited ({self.procs[name].returncode}) before {what}:\n{self.log_tail(name)}")
+            try:
+                if ready():
+                    return
+            except (OSError, subprocess.SubprocessError, AssertionError):
+                pass
+            time.sleep(0.3)
+        raise NodeError(f"{name}: no {what} within {timeout:.0f} s:\n{self.log_tail(name)}")
+
+    def _bridge_up(self) -> None:
+        """The bridge exists before the API server, which serves on its address (pods reach it there). The
+        bridge plugin reuses it (isGateway false: it would turn on the global ip_forward). Forwarding is on
+        for this one interface only: a pod's packet to a ClusterIP comes in here and, DNATed by kube-proxy to
+        another pod, goes out here again."""
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+        sysctl_path(f"net.ipv4.conf.{BRIDGE}.forwarding").write_text("1")
+
+    def _start_registry(self) -> None:
+        port = free_port()
+        self.registry = f"localhost:{port}"
+        self.spawn(
+            "registry",
+            ["bash", str(NODE_TOOLS / "registry.sh"), "serve", str(self.root / "registry"), f"127.0.0.1:{port}"],
+        )
+        self.wait(
+            "registry", lambda: sh("curl", "-fs", f"http://127.0.0.1:{port}/v2/", check=False).returncode == 0, "/v2/"
+        )
+        out = sh("bash", str(NODE_TOOLS / "images.sh"), str(self.root / "images"), self.registry, timeout=300)
+        self.images = dict(line.split("=", 1) for line in out.stdout.split() if "=" in line)
+
+    def _start_containerd(self) -> None:
+        r = self.root
+        hosts = r / "certs.d" / self.registry
+        hosts.mkdir(parents=True)
+        (hosts / "hosts.toml").write_text(
+            f'server = "http://{self.registry}"\n[host."http://{self.registry}"]\n'
+            '  capabilities = ["pull", "resolve"]\n  skip_verify = true\n'
+        )
+        (r / "cni" / "net.d").mkdir(parents=True)
+        (r / "cni" / "net.d" / "10-ftnode.conflist").write_text(json.dumps(cni_config(r / "cni" / "ipam")))
+        (r / "containerd.toml").write_text(containerd_config(r, self.images["PAUSE"]))
+        self.spawn("containerd", ["containerd", "--config", str(r / "containerd.toml")])
+        self.wait("containerd", lambda: self.ctr("version").returncode == 0, "its socket")
+
+    def ctr(self, *args: str) -> subprocess.CompletedProcess:
+        return sh("ctr", "--address", str(self.socket), "--namespace", "k8s.io", *args, check=False)
+
+    def _client(self, name: str, subject: str) -> Path:
+        """A client certificate and kubeconfig for a node component."""
+        cp = self.cluster
+        sign_leaf(cp.pki, name, subject, "clientAuth")
+        return kubeconfig(
+            self.root / f"{name}.kubeconfig",
+            cp.server,
+            cp.pki / "ca.crt",
+            cert=cp.pki / f"{name}.crt",
+            key=cp.pki / f"{name}.key",
+        )
+
+    def _start_kubelet(self) -> None:
+        cp, r = self.cluster, self.root
+        sign_leaf(cp.pki, "kubelet-serving", f"/CN={NODE_NAME}", "serverAuth", f"IP:{GATEWAY},DNS:{NODE_NAME}")
+        cfg = self._client("kubelet", f"/O=system:nodes/CN=system:node:{NODE_NAME}")
+        (r / "resolv.conf").write_text("")  # pods get the cluster's search path only, not this machine's
+        (r / "kubelet.yaml").write_text(json.dumps(kubelet_config(r, cp.pki, free_port(), free_port())))
+        self.spawn(
+            "kubelet",
+            [
+                str(Path(cp.versions["KUBERNETES"]) / "kubelet"),
+                *("--config", str(r / "kubelet.yaml"), "--kubeconfig", str(cfg), "--root-dir", str(r / "kubelet")),
+                *("--hostname-override", NODE_NAME, "--node-ip", GATEWAY, "--cert-dir", str(r / "kubelet-pki")),
+            ],
+        )
+
+        def ready() -> bool:
+            node = cp.kubectl_json("get", "node", NODE_NAME)
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"]["conditions"])
+
+        self.wait("kubelet", ready, f"node {NODE_NAME} Ready")
+
+    def _start_kube_proxy(self) -> None:
+        cp, r = self.cluster, self.root
+        cfg = self._client("kube-proxy", "/CN=system:kube-proxy")  # bound to system:node-proxier by default
+        health = free_port()
+        (r / "kube-proxy.yaml").write_text(json.dumps(kube_proxy_config(cfg, health)))
+        self.spawn(
+            "kube-proxy", [str(Path(cp.versions["KUBERNETES"]) / "kube-proxy"), "--config", str(r / "kube-proxy.yaml")]
+        )
+        self.wait(
+            "kube-proxy",
+            lambda: sh("curl", "-fs", f"http://127.0.0.1:{health}/healthz", check=False).returncode == 0,
+            "/healthz",
+        )
+
+    def _start_coredns(self) -> None:
+        cp, r = self.cluster, self.root
+        cp.kubectl("apply", "-f", "-", stdin=json.dumps(coredns_objects()))
+        cfg = self._client("coredns", "/CN=system:coredns")
+        ready = free_port()
+        (r / "Corefile").write_text(corefile(cfg, free_port(), ready))
+        self.spawn("coredns", [str(Path(cp.versions["COREDNS"]) / "coredns"), "-conf", str(r / "Corefile")])
+        self.wait(
+            "coredns",
+            lambda: sh("curl", "-fs", f"http://127.0.0.1:{ready}/ready", check=False).returncode == 0,
+            "/ready",
+        )
+
+    # --- teardown ------------------------------------------------------------------------------------------
+
+    def stop(self) -> list[str]:
+        """Stops everything, restores what this changed outside the state folder; what is left (empty when
+        all went). Safe to call twice."""
+        t0 = time.monotonic()
+        if self.cluster and "kubelet" in self.procs:
+            self._drain()
+        for name in ("kubelet", "kube-proxy", "coredns"):
+            self._stop_proc(name)
+        self._kill_containers()
+        self._stop_proc("containerd")
+        for pid in [*shim_pids(self.socket), *kubepods_pids()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for point in mounts_under(self.root):
+            sh("umount", "-l", point, check=False)
+        self._restore_host()
+        for name in list(self.procs):
+            self._stop_proc(name)
+        if self.cluster:
+            self.cluster.stop()
+        keep = os.environ.get("FINETUNE_E2E_LOGS")
+        if keep and self.logs.exists():
+            shutil.copytree(self.logs, Path(keep) / "node", dirs_exist_ok=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.timings["teardown_s"] = time.monotonic() - t0
+        return self.leftovers()
+
+    def _drain(self) -> None:
+        """Deletes every pod through the API server, so the kubelet stops them the normal way (CNI DEL, netns
+        removed), and waits until containerd runs none."""
+        self.cluster.kubectl("delete", "pods", "--all", "-A", "--grace-period=1", "--wait=false", check=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.ctr("tasks", "ls", "-q").stdout.strip():
+            time.sleep(0.5)
+
+    def _kill_containers(self) -> None:
+        """What the drain did not stop: its tasks killed and deleted through containerd itself."""
+        if self.procs.get("containerd") is None or self.procs["containerd"].poll() is not None:
+            return
+        for task in self.ctr("tasks", "ls", "-q").stdout.split():
+            self.ctr("tasks", "kill", "-s", "SIGKILL", task)
+        time.sleep(0.5)
+        for task in self.ctr("tasks", "ls", "-q").stdout.split():
+            self.ctr("tasks", "delete", "-f", task)
+
+    def _stop_proc(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        kill_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_group(proc, signal.SIGKILL)
+            proc.wait()
+
+    def _restore_host(self) -> None:
+        for family, table in NFT_TABLES:
+            sh("nft", "delete", "table", family, table, check=False)
+        for veth in sh("ip", "-o", "link", "show", "master", BRIDGE, check=False).stdout.splitlines():
+            sh("ip", "link", "delete", veth.split(":")[1].strip().split("@")[0], check=False)
+        sh("ip", "link", "delete", BRIDGE, check=False)
+        for mount in cgroup_mounts():
+            top = mount / "kubepods"
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                d.rmdir()
+            if top.is_dir():
+                top.rmdir()
+        for key, value in self.sysctls.items():
+            sysctl_path(key).write_text(value)
+        for path, existed in self.existed.items():
+            if not existed:
+                shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree("/var/lib/kubelet/device-plugins", ignore_errors=True)
+        shutil.rmtree("/var/lib/cni/results", ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        """What this node could have left on the machine; empty when nothing."""
+        found = [f"process {name}" for name, p in self.procs.items() if p.poll() is None]
+        found += [f"containerd shim pid {pid}" for pid in shim_pids(self.socket)]
+        found += [f"pod process pid {pid}" for pid in kubepods_pids()]
+        found += [f"mount {m}" for m in mounts_under(self.root)]
+        found += [f"cgroup {m / 'kubepods'}" for m in cgroup_mounts() if (m / "kubepods").exists()]
+        if sh("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+            found.append(f"bridge {BRIDGE}")
+        found += [
+            f"nft table {f} {t}" for f, t in NFT_TABLES if sh("nft", "list", "table", f, t, check=False).returncode == 0
+        ]
+        found += [
+            f"sysctl {k}={sysctl_path(k).read_text().strip()} (was {v})"
+            for k, v in self.sysctls.items()
+            if sysctl_path(k).read_text().strip() != v
+        ]
+        found += [f"path {p}" for p, existed in self.existed.items() if not existed and os.path.lexists(p)]
+        found += [
+            f"path {p}" for p in ("/var/lib/kubelet/device-plugins", "/var/lib/cni/results") if os.path.lexists(p)
+        ]
+        if self.root.exists():
+            found.append(f"state folder {self.root}")
+        return found
+
+
+# --- configuration -----------------------------------------------------------------------------------------
+
+
+def containerd_config(root: Path, pause_image: str) -> str:
+    """containerd 1.6's config: all state under `root`. restrict_oom_score_adj: root here lacks
+    CAP_SYS_RESOURCE, and the sandbox's oom_score_adj of -998 fails every pod in runc without it. The `opt`
+    plugin is off: it would create /opt/containerd."""
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return f"""version = 2
+root = "{root}/containerd/root"
+state = "{root}/containerd/state"
+disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.tracing.processor.v1.otlp"]
+[grpc]
+  address = "{root}/containerd.sock"
+[{cri}]
+  sandbox_image = "{pause_image}"
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  enable_selinux = false
+[{cri}.containerd]
+  snapshotter = "overlayfs"
+  default_runtime_name = "runc"
+[{cri}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[{cri}.containerd.runtimes.runc.options]
+  SystemdCgroup = false
+  Root = "{root}/runc"
+[{cri}.cni]
+  bin_dir = "/usr/lib/cni"
+  conf_dir = "{root}/cni/net.d"
+[{cri}.registry]
+  config_path = "{root}/certs.d"
+"""
+
+
+def cni_config(ipam_dir: Path) -> dict:
+    """The bridge plugin on BRIDGE, addresses from host-local (its allocations under the state folder), a
+    default route through the bridge address, where kube-proxy's rules take ClusterIP traffic."""
+    ipam = {
+        "type": "host-local",
+        "ranges": [[{"subnet": SUBNET, "gateway": GATEWAY}]],
+        "routes": [{"dst": "0.0.0.0/0", "gw": GATEWAY}],
+        "dataDir": str(ipam_dir),
+    }
+    bridge = {
+        "type": "bridge",
+        "bridge": BRIDGE,
+        "isGateway": False,
+        "ipMasq": False,
+        "hairpinMode": True,
+        "ipam": ipam,
+    }
+    return {"cniVersion": "1.0.0", "name": "ftnode", "plugins": [bridge]}
+
+
+def kubelet_config(root: Path, pki: Path, port: int, health: int) -> dict:
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "cgroupDriver": "cgroupfs",
+        "failCgroupV1": False,  # these machines mount cgroup v1 controllers; the kubelet warns and runs
+        "failSwapOn": False,
+        "containerRuntimeEndpoint": f"unix://{root}/containerd.sock",
+        "address": GATEWAY,
+        "port": port,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": health,
+        "tlsCertFile": str(pki / "kubelet-serving.crt"),
+        "tlsPrivateKeyFile": str(pki / "kubelet-serving.key"),
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(pki / "ca.crt")},
+        },
+        "authorization": {"mode": "Webhook"},
+        "makeIPTablesUtilChains": False,
+        "podLogsDir": str(root / "pod-logs"),
+        "evictionHard": {"nodefs.available": "1%", "imagefs.available": "1%", "memory.available": "100Mi"},
+        "clusterDomain": "cluster.local",
+        "clusterDNS": [CLUSTER_DNS],
+        "resolvConf": str(root / "resolv.conf"),
+        "serializeImagePulls": False,
+    }
+
+
+def kube_proxy_config(kubeconfig_path: Path, health: int) -> dict:
+    """nftables mode: its rules live in tables of its own (NFT_TABLES), removed whole at teardown. conntrack
+    zeros: leave the machine's conntrack sysctls alone. masqueradeAll: a pod reaching another through a
+    ClusterIP gets its reply back through the host even where bridged traffic skips netfilter."""
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": str(kubeconfig_path)},
+        "mode": "nftables",
+        "hostnameOverride": NODE_NAME,
+        "bindAddress": GATEWAY,
+        "healthzBindAddress": f"127.0.0.1:{health}",
+        "metricsBindAddress": f"127.0.0.1:{free_port()}",
+        "clusterCIDR": SUBNET,
+        "nodePortAddresses": [f"{GATEWAY}/32"],
+        "masqueradeAll": True,
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+    }
+
+
+def corefile(kubeconfig_path: Path, health: int, ready: int) -> str:
+    """CoreDNS answers for cluster.local on the bridge address (behind the kube-dns Service), nothing else:
+    no forwarder, as no outside resolver may be reached."""
+    return f""".:53 {{
+    bind {GATEWAY}
+    errors
+    health 127.0.0.1:{health}
+    ready 127.0.0.1:{ready}
+    kubernetes cluster.local in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig_path} e2e
+        pods insecure
+        ttl 5
+    }}
+    cache 5
+}}
+"""
+
+
+def coredns_objects() -> dict:
+    """CoreDNS's read access (as on a kubeadm cluster), and the kube-dns Service at CLUSTER_DNS with one
+    endpoint: CoreDNS on the bridge address."""
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": "system:coredns"},
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["endpoints", "services", "pods", "namespaces"],
+                "verbs": ["list", "watch"],
+            },
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]},
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "system:coredns"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:coredns"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:coredns"}],
+    }
+    ports = [{"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "kube-dns", "namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}},
+        "spec": {"clusterIP": CLUSTER_DNS, "ports": [{**p, "targetPort": 53} for p in ports]},
+    }
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "kube-dns-host",
+            "namespace": "kube-system",
+            "labels": {"kubernetes.io/service-name": "kube-dns", "endpointslice.kubernetes.io/managed-by": "e2e-node"},
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [GATEWAY], "conditions": {"ready": True}}],
+        "ports": ports,
+    }
+    return {"apiVersion": "v1", "kind": "List", "items": [role, binding, service, endpoints]}
