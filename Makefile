@@ -74,6 +74,17 @@ e2e: setup
 	bash tools/controlplane/build.sh >/dev/null
 	$(BIN)/pytest -q -m e2e tests/e2e
 
+# The real node (tests/e2e/node.py): containerd, runc, the CNI bridge, a kubelet, kube-proxy, CoreDNS and a
+# local registry on the same control plane, and restricted pods on it (tests/e2e/test_node.py). Opt-in while
+# make e2e runs its pods in podrunner; does not depend on setup (it uses the venv as it is). Root and Debian:
+# tools/node/install.sh installs containerd, runc, the CNI plugins, buildah, ... when missing (about 20 s).
+.PHONY: e2e-node
+e2e-node:
+	@test "$$(id -u)" = 0 || { echo "error: make e2e-node runs containerd and a kubelet: run it as root" >&2; exit 2; }
+	bash tools/node/install.sh
+	bash tools/controlplane/build.sh >/dev/null
+	$(BIN)/pytest -q -m e2e tests/e2e/test_node.py
+
 # Regenerates the committed lock from the current venv (same versions CI and the image install).
 lock: setup
 	$(PY) -m pip freeze --exclude-editable | grep -vE '^($(TORCH_STACK)|ray-deepspeed-finetune)' > requirements.lock

@@ -82,6 +82,27 @@ def spawn(logs: Path, name: str, argv: list[str], cwd: Path, env: dict | None = 
         )
 
 
+def log_tail(logs: Path, name: str, lines: int = 30) -> str:
+    path = logs / f"{name}.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def wait_for(proc: subprocess.Popen, logs: Path, name: str, ready, what: str, timeout: float) -> None:
+    """Polls `ready()` until true; fails with the component's log when it exits or the time runs out. A
+    connection refused, a TLS or HTTP error or a failing client command count as not ready yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ControlPlaneError(f"{name} exited ({proc.returncode}) before {what}:\n{log_tail(logs, name)}")
+        try:
+            if ready():
+                return
+        except (OSError, ssl.SSLError, http.client.HTTPException, subprocess.SubprocessError, AssertionError):
+            pass
+        time.sleep(0.3)
+    raise ControlPlaneError(f"{name}: no {what} within {timeout:.0f} s:\n{log_tail(logs, name)}")
+
+
 def openssl(*args: str, cwd: Path) -> None:
     out = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
     if out.returncode:
@@ -221,24 +242,11 @@ class ControlPlane:
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
         self.procs[name] = spawn(self.root / "logs", name, argv, self.root, env)
 
-    def log_tail(self, name: str, lines: int = 30) -> str:
-        path = self.root / "logs" / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    def log_tail(self, name: str) -> str:
+        return log_tail(self.root / "logs", name)
 
     def wait(self, name: str, ready, what: str, timeout: float = START_TIMEOUT_S) -> None:
-        """Polls `ready()` until true; fails with the component's log when it exits or the time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                raise ControlPlaneError(f"{name} exited ({proc.returncode}) before {what}:\n{self.log_tail(name)}")
-            try:
-                if ready():
-                    return
-            except (OSError, ssl.SSLError, http.client.HTTPException, subprocess.SubprocessError):
-                pass
-            time.sleep(0.5)
-        raise ControlPlaneError(f"{name}: no {what} within {timeout:.0f} s:\n{self.log_tail(name)}")
+        wait_for(self.procs[name], self.root / "logs", name, ready, what, timeout)
 
     def _start_etcd(self, bins: Path) -> None:
         client, peer = free_port(), free_port()

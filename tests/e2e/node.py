@@ -23,11 +23,23 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from e2e.controlplane import REPO, ControlPlane, free_port, kill_group, kubeconfig, sign_leaf, spawn
+from e2e.controlplane import (
+    REPO,
+    ControlPlane,
+    ControlPlaneError,
+    free_port,
+    kill_group,
+    kubeconfig,
+    log_tail,
+    sign_leaf,
+    spawn,
+    wait_for,
+)
 
 NODE_TOOLS = REPO / "tools" / "node"
 NODE_NAME = "e2e-node"
@@ -43,7 +55,7 @@ NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
 READY_TIMEOUT_S = 120
 
 
-class NodeError(RuntimeError):
+class NodeError(ControlPlaneError):
     pass
 
 
@@ -149,22 +161,11 @@ class Node:
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
         self.procs[name] = spawn(self.logs, name, argv, self.root, env)
 
-    def log_tail(self, name: str, lines: int = 30) -> str:
-        path = self.logs / f"{name}.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    def log_tail(self, name: str) -> str:
+        return log_tail(self.logs, name)
 
     def wait(self, name: str, ready, what: str, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                raise NodeError(f"{name} exited ({self.procs[name].returncode}) before {what}:\n{self.log_tail(name)}")
-            try:
-                if ready():
-                    return
-            except (OSError, subprocess.SubprocessError, AssertionError):
-                pass
-            time.sleep(0.3)
-        raise NodeError(f"{name}: no {what} within {timeout:.0f} s:\n{self.log_tail(name)}")
+        wait_for(self.procs[name], self.logs, name, ready, what, timeout)
 
     def _bridge_up(self) -> None:
         """The bridge exists before the API server, which serves on its address (pods reach it there). The
@@ -270,7 +271,18 @@ class Node:
 
     def stop(self) -> list[str]:
         """Stops everything, restores what this changed outside the state folder; what is left (empty when
-        all went). Safe to call twice."""
+        all went). Safe to call twice. Ctrl-C and SIGTERM wait until it is done (its waits are bounded): a
+        teardown cut short would leave the machine half restored."""
+        signals = (signal.SIGINT, signal.SIGTERM)
+        main = threading.current_thread() is threading.main_thread()
+        previous = [signal.signal(s, signal.SIG_IGN) for s in signals] if main else []
+        try:
+            return self._stop()
+        finally:
+            for s, handler in zip(signals, previous, strict=False):
+                signal.signal(s, handler)
+
+    def _stop(self) -> list[str]:
         t0 = time.monotonic()
         if self.cluster and "kubelet" in self.procs:
             self._drain()

@@ -173,7 +173,7 @@ def workload(node):
     out = cp.kubectl("wait", "-n", NS, "--for=condition=Ready", "pod/probe", "pod/echo", "--timeout=90s", check=False)
     if out.returncode:
         events = cp.kubectl("get", "events", "-n", NS, "--sort-by=.lastTimestamp", check=False).stdout
-        pytest.fail(f"pods not Ready: {out.stderr}\n{events}\nkubelet:\n{node.log_tail('kubelet', 20)}")
+        pytest.fail(f"pods not Ready: {out.stderr}\n{events}\nkubelet:\n{node.log_tail('kubelet')}")
     return {"host_dir": host_dir, "probe_ready_s": time.monotonic() - t0}
 
 

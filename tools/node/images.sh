@@ -18,7 +18,12 @@ driver = "vfs"
 graphroot = "$work/storage"
 runroot = "$work/run"
 CONF
-export CONTAINERS_STORAGE_CONF="$work/storage.conf"
+# buildah's network backend would otherwise keep a lock in /etc/cni/net.d (no step here needs a network)
+cat > "$work/containers.conf" <<CONF
+[network]
+network_config_dir = "$work/cni"
+CONF
+export CONTAINERS_STORAGE_CONF="$work/storage.conf" CONTAINERS_CONF="$work/containers.conf"
 bah() { buildah --log-level=error "$@"; }
 
 # build CONTEXT NAME:TAG DOCKERFILE_TEXT: buildah bud in WORKDIR/ctx/CONTEXT, then push to the registry
