@@ -17,6 +17,7 @@ there: the test fails on it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -122,6 +123,7 @@ class Node:
     images: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     cluster: ControlPlane | None = None
+    stopped: bool = False
 
     @property
     def socket(self) -> Path:
@@ -134,6 +136,11 @@ class Node:
     # --- life cycle ----------------------------------------------------------------------------------------
 
     def start(self) -> Node:
+        busy = self._in_use()
+        if busy:
+            self.root.rmdir()  # still empty
+            # Not ours to remove: another node may be running; a killed run's leftovers are the admin's call.
+            raise NodeError(f"another node's parts are on this machine: {', '.join(busy)} (remove them if stale)")
         atexit.register(self.stop)
         t0 = time.monotonic()
         try:
@@ -157,6 +164,13 @@ class Node:
             raise
         self.timings["start_s"] = time.monotonic() - t0
         return self
+
+    @staticmethod
+    def _in_use() -> list[str]:
+        found = [f"bridge {BRIDGE}"] if sh("ip", "link", "show", BRIDGE, check=False).returncode == 0 else []
+        found += [f"cgroup {m / 'kubepods'}" for m in cgroup_mounts() if (m / "kubepods").exists()]
+        tables = sh("nft", "list", "tables", check=False).stdout
+        return found + [f"nft table {f} {t}" for f, t in NFT_TABLES if f"table {f} {t}\n" in tables + "\n"]
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
         self.procs[name] = spawn(self.logs, name, argv, self.root, env)
@@ -273,6 +287,9 @@ class Node:
         """Stops everything, restores what this changed outside the state folder; what is left (empty when
         all went). Safe to call twice. Ctrl-C and SIGTERM wait until it is done (its waits are bounded): a
         teardown cut short would leave the machine half restored."""
+        if self.stopped:
+            return self.leftovers()
+        self.stopped = True
         signals = (signal.SIGINT, signal.SIGTERM)
         main = threading.current_thread() is threading.main_thread()
         previous = [signal.signal(s, signal.SIG_IGN) for s in signals] if main else []
@@ -347,8 +364,9 @@ class Node:
         for mount in cgroup_mounts():
             top = mount / "kubepods"
             for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                d.rmdir()
-            if top.is_dir():
+                with contextlib.suppress(OSError):  # still busy: leftovers() names it
+                    d.rmdir()
+            with contextlib.suppress(OSError):
                 top.rmdir()
         for key, value in self.sysctls.items():
             sysctl_path(key).write_text(value)
