@@ -120,7 +120,7 @@ SAMPLE_FILES = 16
 
 def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Problem]:
     """Columns and text of the first rows of (up to SAMPLE_FILES of) the files, read as `datasets` will read them."""
-    field, usable, whole, sampled = cfg.text_field, 0, len(files) <= SAMPLE_FILES, 0
+    field, usable, whole, sampled, looked = cfg.text_field, 0, len(files) <= SAMPLE_FILES, 0, 0
     for file in files[:SAMPLE_FILES]:
         if os.path.getsize(file) == 0:
             continue  # `datasets` reads an empty file among others as no rows; all of them empty is refused below
@@ -155,6 +155,7 @@ def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Probl
                 )
             ]
         usable += sum(1 for v in values if v is not None and v.strip())
+        looked += len(values)
         whole = whole and complete
     if sampled == 0 and whole:
         return [
@@ -165,13 +166,15 @@ def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Probl
                 "point it at your data",
             )
         ]
-    if usable == 0 and whole:
+    if usable == 0 and (whole or looked):
+        where = "no row of" if whole else f"none of the first {looked:,} rows read (of {sampled} file(s)) of"
         return [
             Problem(
                 "data.text_field",
                 field,
-                f"no row of {cfg.dataset} has text in column '{field}' (every value is empty or null)",
-                "point data.dataset at data with text, or set data.text_field",
+                f"{where} {cfg.dataset} has text in column '{field}' (every value is empty or null)",
+                "point data.dataset at data with text, or set data.text_field"
+                + ("" if whole else "; when text comes only further down, shuffle the file so that it comes early"),
             )
         ]
     return []

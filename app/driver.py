@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from app import data, ds_config, logs, preemption
+from app import data, ds_config, logs, preemption, preflight
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
 from app.model import check_seq_length, load_model_config, model_source
@@ -76,8 +76,10 @@ def storage_problems(storage_path: str) -> list[Problem]:
 def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Problem], str | None]:
     """The transformers model config (None when it cannot be read now), its context check, and a note when it
     cannot be read."""
-    source, _ = model_source(cfg.model.name_or_path)
+    source, random_init = model_source(cfg.model.name_or_path)
     local = data.is_local(source)
+    if local and preflight.model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init):
+        return None, [], None  # preflight_problems names what the folder lacks
     try:
         if offline and not local:
             from transformers import AutoConfig
@@ -219,7 +221,9 @@ def check(
     while the model is counted on the meta device in a thread (the layer sizes of the "auto" ZeRO-3 values): that
     imports transformers' modelling code, seconds of the start-up that then overlap Ray's (docs/benchmarks.md,
     runs K-M). An invalid config never starts Ray."""
-    problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg)
+    problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg, offline)
+    if meanwhile is not None:  # `finetune train`: a local cluster starts here unless RAY_ADDRESS names one
+        problems += preflight.resource_problems(cfg)
     mc, model_problems, note = read_model_config(cfg, offline)
     problems += model_problems + compile_problems(cfg)
     if not problems and cfg.model.fp8 and mc is not None:
@@ -238,8 +242,8 @@ def check(
     return ds_config.build(cfg, **facts), note
 
 
-def preflight_problems(cfg: TrainingConfig) -> list[Problem]:
-    """The data and storage checks, which need no model and no DeepSpeed config."""
+def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Problem]:
+    """The data, storage, model-file and DeepSpeed-block checks, which need no model config and no cluster."""
     problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
     try:
         problems += data.check_source(cfg.data)
@@ -247,7 +251,7 @@ def preflight_problems(cfg: TrainingConfig) -> list[Problem]:
         problems.append(
             Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files")
         )
-    return problems
+    return problems + preflight.problems(cfg, offline)
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:
@@ -333,6 +337,9 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     from app.train_loop import train_loop
 
     env = worker_env(cfg)
+    # Ray Train reads it in its controller (it propagates this variable there): a worker group that cannot be
+    # placed ends the run after this wait instead of waiting 60 s again and again (controller_failure_limit=0).
+    os.environ[preflight.START_TIMEOUT_ENV] = preflight.start_timeout_s(cfg)
     start_ray(cfg)
     preemption.on_driver_sigterm(cfg.experiment_dir, lease_token)  # after ray.init, which sets its own handler
     now = time.time()  # start-up breakdown: the loop adds its own marks and logs the whole
@@ -358,14 +365,15 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
             name=cfg.experiment.name,
             storage_path=str(Path(cfg.experiment.storage_path).expanduser().resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=FailureConfig(max_failures=s.max_failures),
+            failure_config=FailureConfig(max_failures=s.max_failures, controller_failure_limit=0),
             worker_runtime_env={"env_vars": env},
         ),
     )
     try:
         return trainer.fit()
     except Exception as exc:
-        error = worker_error(exc)
+        placement = preflight.placement_failure(exc, cfg)
+        error = WorkerProblem(placement) if placement else worker_error(exc)
         if error is None:
             raise
         raise error from exc
