@@ -251,7 +251,8 @@ def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Proble
         problems.append(
             Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files")
         )
-    return problems + preflight.problems(cfg, offline)
+    named = {p.field for p in problems}  # e.g. a saved DatasetDict's missing split, found by check_source
+    return problems + [p for p in preflight.problems(cfg, offline) if p.field not in named]
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:

@@ -200,7 +200,7 @@ def split_problems(cfg: TrainingConfig) -> list[Problem]:
     if left >= needed:
         return []
     if held_out:
-        most = max(0.0, math.floor((1 - needed / train) * 1000) / 1000)
+        most = max(0.0, math.floor(round((train - needed) / train * 1000, 6)) / 1000)
         return [
             Problem(
                 "data.eval_fraction",
