@@ -412,3 +412,34 @@ def test_deepspeed_rules_match_deepspeed(tiny_model):
         except (AttributeError, AssertionError):
             deepspeed_refused = True
         assert deepspeed_refused == refused, block
+
+
+def test_a_worker_group_a_joined_cluster_cannot_place_ends_after_the_bounded_wait(tmp_path, tiny_model):
+    """On a cluster the run joins (RAY_ADDRESS; here a 2-CPU cluster without GPUs that this test starts), 2 GPU
+    workers can never be placed: the run ends after scaling.placement_timeout_s (5 s), once, with exit 1 and one
+    line naming the request and what the cluster offers; Ray's own retry every 60 s without limit is off."""
+    import ray
+    from conftest import run_cli, tiny_overrides
+
+    address = ray.init(num_cpus=2, include_dashboard=False).address_info["gcs_address"]
+    try:
+        started = time.monotonic()
+        sets = {"scaling.use_gpu": True, "scaling.placement_timeout_s": 5, "model.liger_kernels": False}
+        result = run_cli(
+            "train",
+            *tiny_overrides(tmp_path, "unplaceable", tiny_model, **sets),
+            env={"RAY_ADDRESS": address},
+            timeout=300,
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        ray.shutdown()
+    assert result.returncode == 1, result.stderr[-4000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-4000:]
+    assert (
+        "scaling: 2 workers x {CPU: 1, GPU: 1} could not be placed within scaling.placement_timeout_s=5 s" in (lines[0])
+    ), lines[0]
+    assert "the cluster offers {CPU: 2} in all" in lines[0] and "Fix: " in lines[0], lines[0]
+    assert "max allowed: inf" not in result.stdout + result.stderr
+    assert elapsed < 120, f"took {elapsed:.0f}s"
