@@ -344,8 +344,35 @@ def load_split(cfg: DataConfig, split: str):
             return loaded
         files = _local_files(cfg.dataset)
         builder = LOCAL_BUILDERS[Path(files[0]).suffix]
-        return datasets.load_dataset(builder, data_files={"train": files}, split=split)
+        try:
+            return datasets.load_dataset(builder, data_files={"train": files}, split=split)
+        except Exception as exc:  # noqa: BLE001 - a bad row beyond the sample validate read: say where it is
+            raise unreadable_data(files, builder, exc) from None
     return datasets.load_dataset(cfg.dataset, cfg.config_name, split=split)
+
+
+def unreadable_data(files: list[str], builder: str, exc: BaseException) -> Problem:
+    """The file and line that `datasets` could not read, as one Problem (its own error names a row of a batch)."""
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    reason = (str(root).strip().splitlines() or [type(root).__name__])[0][:200]
+    if builder == "json":
+        for file in files:
+            with open(file, "rb") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        if isinstance(json.loads(line), dict):
+                            continue
+                        reason = "not a JSON object"
+                    except ValueError as err:
+                        reason = f"not JSON: {err}"
+                    if number == 1 and line.lstrip().startswith(b"["):
+                        break  # one JSON document, not JSON Lines: `datasets`' own reason stands
+                    return Problem("data.dataset", file, f"line {number} is {reason}", "fix or remove that line")
+    return Problem("data.dataset", files[0] if len(files) == 1 else files, f"cannot be read: {reason}", "fix the file")
 
 
 def _slice(n: int, spec: str) -> range:
@@ -459,8 +486,12 @@ def prepare(
             )
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        datasets.DatasetDict(parts).save_to_disk(str(tmp))
-        (tmp / "done").write_text("ok\n")
+        try:
+            datasets.DatasetDict(parts).save_to_disk(str(tmp))
+            (tmp / "done").write_text("ok\n")
+        except BaseException:  # a full volume, a stop: no half-written cache is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     barrier()

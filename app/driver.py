@@ -374,7 +374,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
         return trainer.fit()
     except Exception as exc:
         placement = preflight.placement_failure(exc, cfg)
-        error = WorkerProblem(placement) if placement else worker_error(exc)
+        error = WorkerProblem(placement) if placement else worker_error(exc, s.max_failures)
         if error is None:
             raise
         raise error from exc
@@ -385,7 +385,7 @@ class WorkerProblem(RuntimeError):
     unchanged would fail the same way."""
 
 
-def worker_error(exc: BaseException) -> RuntimeError | None:
+def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | None:
     """Ray's error for failed workers (its message starts with "Training failed due to worker errors") as the
     failing rank's own exception in one line, which the CLI shows first (Ray logs every worker's traceback above
     it); None when no worker failed."""
@@ -396,7 +396,35 @@ def worker_error(exc: BaseException) -> RuntimeError | None:
     if not causes:
         return None
     rank, cause = causes[0]
-    return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(f"{_one_line(cause)} [rank {rank}]")
+    advice = failure_fix(cause, max_failures)
+    line = f"{_one_line(cause)} [rank {rank}]" + (f". {advice}" if advice else "")
+    return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(line)
+
+
+def failure_fix(cause: BaseException, max_failures: int) -> str | None:
+    """What to change after the failures a run meets most (memory, a dead worker, a collective that timed out),
+    so that nobody has to read Ray's or torch's traceback to learn it; None for the others."""
+    import ray.exceptions
+
+    name, text = type(cause).__name__, str(cause).lower()
+    if isinstance(cause, ray.exceptions.OutOfMemoryError) or "outofmemory" in name.lower() or "out of memory" in text:
+        return (
+            "Fix: out of memory; lower train.micro_batch_size (raise train.gradient_accumulation_steps to keep the "
+            "batch), set model.gradient_checkpointing=true, or offload: "
+            "deepspeed.zero_optimization.offload_optimizer={device: cpu}"
+        )
+    if isinstance(cause, (ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError)):
+        used = "no restart is allowed" if max_failures == 0 else f"its {max_failures} restart(s) are used up"
+        return (
+            f"Fix: a worker process died (killed, or out of host memory: see the node's events) and {used} "
+            "(scaling.max_failures); raise scaling.max_failures to restart from the last checkpoint, or deploy again"
+        )
+    if ("timed out" in text or "timeout" in text) and ("gloo" in text or "nccl" in text or "DistBackend" in name):
+        return (
+            "Fix: a collective (NCCL/gloo) timed out: one rank stopped or fell far behind (see its log above); on "
+            "several nodes check the network between them (NCCL_SOCKET_IFNAME), then deploy again"
+        )
+    return None
 
 
 def _root_cause(failure: BaseException) -> BaseException:

@@ -443,3 +443,75 @@ def test_a_worker_group_a_joined_cluster_cannot_place_ends_after_the_bounded_wai
     assert "the cluster offers {CPU: 2} in all" in lines[0] and "Fix: " in lines[0], lines[0]
     assert "max allowed: inf" not in result.stdout + result.stderr
     assert elapsed < 120, f"took {elapsed:.0f}s"
+
+
+# --- failures after the cluster started -------------------------------------------------------------------
+
+
+def test_failures_after_start_name_the_cause_and_the_fix():
+    """The failures a run meets most, as Ray's WorkerGroupError carries them from a worker: out of memory (Ray's
+    memory monitor or torch's allocator), a worker killed beyond scaling.max_failures, a gloo/NCCL timeout. Each
+    becomes one line with the cause and the setting to change; anything else stays the worker's own line."""
+    import ray.exceptions
+    import torch
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from app import driver
+
+    def line(failure, max_failures=0):
+        return str(driver.worker_error(WorkerGroupError("...", {0: failure}), max_failures))
+
+    ray_oom = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
+    assert "Fix: out of memory; lower train.micro_batch_size" in line(ray_oom)
+    assert "model.gradient_checkpointing=true" in line(torch.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
+    died = ray.exceptions.ActorDiedError()
+    assert "a worker process died" in line(died) and "no restart is allowed (scaling.max_failures)" in line(died)
+    assert "its 2 restart(s) are used up" in line(died, 2)
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: Timed out after 1800s")
+    assert "Fix: a collective (NCCL/gloo) timed out" in line(timeout)
+    assert line(ValueError("bad row")) == "ValueError: bad row [rank 0]"
+    for text in (line(ray_oom), line(died), line(timeout)):
+        assert "\n" not in text
+
+
+def test_a_bad_row_beyond_the_sample_is_named_by_file_and_line(tmp_path):
+    """`datasets` says 'JSON parse error ... in row 1200' of a batch; the run says the file and its line."""
+    from app import data
+    from app.config import DataConfig
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(jsonl(*[{"text": f"row {i}"} for i in range(1200)]) + b"\n{oops\n" + jsonl({"text": "x"}))
+    cfg = DataConfig(dataset=str(path), split="train")
+    assert data.check_source(cfg) == []  # the sample (the first 1,000 rows) is fine
+    with pytest.raises(preflight.Problem) as caught:
+        data.load_split(cfg, "train")
+    assert str(caught.value).startswith("data.dataset: line 1202 is not JSON: ") and str(path) in str(caught.value)
+    csv = tmp_path / "d.csv"
+    csv.write_text("text,label\n" + "".join(f"r{i},1\n" for i in range(1200)) + "a,b,c,d\n")
+    with pytest.raises(preflight.Problem, match="Expected 2 fields in line 1202"):
+        data.load_split(DataConfig(dataset=str(csv), split="train"), "train")
+
+
+def test_a_bad_row_found_by_the_workers_ends_the_run_with_its_line(tmp_path, tiny_model):
+    """Real Ray and DeepSpeed, one CPU worker: line 1,501 of the data is broken, beyond what validate samples. The run
+    ends with exit 1 and one line naming the file and the line, no parser traceback in the error; no half-written
+    data cache is left and the lease is released."""
+    from conftest import run_cli, tiny_overrides
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(_head(1500) + b"{oops\n")
+    result = run_cli(
+        "train",
+        *tiny_overrides(tmp_path / "s", "badrow", tiny_model, **{"data.dataset": path, "scaling.num_workers": 1}),
+    )
+    assert result.returncode == 1, result.stderr[-4000:]
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-4000:]
+    assert "data.dataset: line 1501 is not JSON: " in lines[0] and str(path) in lines[0] and "[rank 0]" in lines[0]
+    run_dir = tmp_path / "s" / "badrow"
+    assert not list((run_dir / "cache").glob("*")) if (run_dir / "cache").exists() else True
+    assert not (run_dir / ".lease").exists()
+
+
+def _head(rows: int) -> bytes:
+    return b"".join(CORPUS.read_bytes().splitlines(keepends=True)[:rows])
