@@ -314,9 +314,40 @@ DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw",
 DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
+# The keys DeepSpeed's ZeRO config models accept (fields and aliases of DeepSpeedZeroConfig and its offload
+# configs, which forbid any other: a typo there fails deepspeed.initialize on every worker).
+ZERO_KEYS = (
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+    "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint",
+    "enable_sanity_checks", "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "leaf_module",
+    "legacy_stage1", "load_from_fp32_weights", "log_trace_cache_warnings", "max_live_parameters",
+    "max_reuse_distance", "memory_efficient_linear", "model_persistence_threshold", "module_granularity_threshold",
+    "offload_optimizer", "offload_param", "overlap_comm", "override_module_apply", "param_persistence_threshold",
+    "parameter_alignment", "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size",
+    "reduce_scatter", "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage",
+    "stage3_allgather_sequential", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
+    "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_use_all_reduce_for_fetch_params",
+    "sub_group_size", "use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",
+    "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "zero_quantized_weights",
+)  # fmt: skip
+OFFLOAD_KEYS = {
+    "offload_param": ("buffer_count", "buffer_size", "device", "max_in_cpu", "nvme_path", "pin_memory"),
+    "offload_optimizer": (
+        "buffer_count", "cpuadam_cores_perc", "device", "fast_init", "nvme_path", "pin_memory", "pipeline_read",
+        "pipeline_write", "ratio", "super_offload",
+    ),
+}  # fmt: skip
+
+
 def deepspeed_problems(cfg: TrainingConfig) -> list[Problem]:
     ds = cfg.deepspeed
-    found = []
+    found = _unknown_keys("deepspeed.zero_optimization", ds.zero_optimization, ZERO_KEYS)
+    for key, known in OFFLOAD_KEYS.items():
+        if getattr(ds.zero_optimization, key) is not None:
+            found += _unknown_keys(f"deepspeed.zero_optimization.{key}", getattr(ds.zero_optimization, key), known)
     if ds.optimizer is not None:
         found += _component("optimizer", ds.optimizer.type, _optimizer_known)
     if ds.scheduler is not None:
@@ -334,6 +365,18 @@ def deepspeed_problems(cfg: TrainingConfig) -> list[Problem]:
                     f"set deepspeed.zero_optimization.{key}.nvme_path=/local_nvme, or device: cpu",
                 )
             )
+    return found
+
+
+def _unknown_keys(where: str, block, known: tuple[str, ...]) -> list[Problem]:
+    import difflib
+
+    found = []
+    for key in sorted(block.model_fields_set | set(block.model_extra or {})):
+        if key not in known:
+            guess = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean '{guess[0]}'?" if guess else "remove it (see DeepSpeed's config docs)"
+            found.append(Problem(f"{where}.{key}", getattr(block, key, None), "DeepSpeed accepts no such key", fix))
     return found
 
 
@@ -397,7 +440,7 @@ def resource_problems(cfg: TrainingConfig) -> list[Problem]:
             Problem(
                 "scaling.use_gpu",
                 True,
-                f"{s.num_workers} workers need one GPU each; this machine has {gpus or 'none'} (a local Ray cluster "
+                f"{s.num_workers} worker(s) need one GPU each; this machine has {gpus or 'none'} (a local Ray cluster "
                 "starts here: RAY_ADDRESS is not set)",
                 "set scaling.use_gpu=false to train on CPUs"
                 + (f", or scaling.num_workers={gpus}" if gpus else "")

@@ -194,6 +194,21 @@ CASES = {
         {},
         ("deepspeed.zero_optimization.offload_param.nvme_path", "nvme_path=/local_nvme"),
     ),
+    "ZeRO key typo": (
+        ["deepspeed.zero_optimization.overlap_com=true"],
+        {},
+        ("deepspeed.zero_optimization.overlap_com", "did you mean 'overlap_comm'"),
+    ),
+    "offload key typo": (
+        ["deepspeed.zero_optimization.offload_optimizer={device: cpu, pin_memroy: true}"],
+        {},
+        ("deepspeed.zero_optimization.offload_optimizer.pin_memroy", "did you mean 'pin_memory'"),
+    ),
+    "parameter-offload key of the optimizer's": (
+        ["deepspeed.zero_optimization.offload_param={device: cpu, ratio: 0.5}"],
+        {},
+        ("deepspeed.zero_optimization.offload_param.ratio", "remove it"),
+    ),
     # -- data whose sample has no text
     "first 1,200 JSON lines empty": (
         ["data.dataset={tmp}/d.jsonl"],
@@ -392,6 +407,35 @@ def test_deepspeed_rules_match_deepspeed(tiny_model):
             return self.config.scheduler_params
 
     params = [torch.nn.Parameter(torch.zeros(2))]
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    def keys(model) -> tuple[str, ...]:
+        return tuple(sorted({n for name, f in model.model_fields.items() for n in (name, f.alias) if n}))
+
+    assert keys(DeepSpeedZeroConfig) == preflight.ZERO_KEYS
+    assert keys(DeepSpeedZeroOffloadParamConfig) == preflight.OFFLOAD_KEYS["offload_param"]
+    assert keys(DeepSpeedZeroOffloadOptimizerConfig) == preflight.OFFLOAD_KEYS["offload_optimizer"]
+    for zero, refused in (
+        ({"overlap_com": True}, True),
+        ({"offload_optimizer": {"device": "cpu", "pin_memroy": True}}, True),
+        ({"offload_param": {"device": "cpu", "ratio": 0.5}}, True),
+        ({"offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.5}}, False),
+        ({"stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 10**8}, False),
+    ):
+        cfg = parse({"scaling": {"num_workers": 1, "use_gpu": False}, "deepspeed": {"zero_optimization": zero}})
+        assert bool(preflight.deepspeed_problems(cfg)) == refused, zero
+        resolved = ds_config.build(cfg, hidden_size=64, layer_classes=[], layer_params=0)
+        try:
+            DeepSpeedConfig(resolved)
+            deepspeed_refused = False
+        except ValueError:  # pydantic's ValidationError: "Extra inputs are not permitted"
+            deepspeed_refused = True
+        assert deepspeed_refused == refused, zero
+
     for block, refused in (
         ({"optimizer": {"type": "AdamWW", "params": {"lr": 0.1}}}, True),
         ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, False),
