@@ -9,13 +9,12 @@ from __future__ import annotations
 import inspect
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import CORPUS
-from test_hostile import jsonl, tree
+from test_hostile import jsonl, refused_in_one_line, tree
 
 from app import preflight
 from app.cli import main
@@ -255,22 +254,6 @@ def _args(storage: Path, inputs: Path, model: Path, sets: list[str]) -> list[str
     return args
 
 
-def _refused_in_one_line(args: list[str], field: str, fix: str, capsys, commands=("validate", "train")) -> None:
-    for command in commands:
-        started = time.monotonic()
-        assert main([command, *args]) == 2, command
-        elapsed = time.monotonic() - started
-        err = capsys.readouterr().err
-        lines = [line for line in err.splitlines() if line.startswith("error: ")]
-        assert len(lines) == 1, err
-        assert lines[0].startswith(f"error: {field}:"), lines[0]
-        assert fix in lines[0] and "Fix: " in lines[0], lines[0]
-        assert "Traceback" not in err
-        assert elapsed < 20, f"{command} took {elapsed:.1f}s"
-        ray = sys.modules.get("ray")
-        assert ray is None or not ray.is_initialized(), "a Ray cluster was started"
-
-
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_refused_before_any_cluster(case, tmp_path, tiny_model, capsys, monkeypatch):
     sets, files, (field, fix) = CASES[case]
@@ -280,7 +263,7 @@ def test_refused_before_any_cluster(case, tmp_path, tiny_model, capsys, monkeypa
     _write(inputs, files, tiny_model)
     monkeypatch.chdir(tmp_path)
     before = tree(tmp_path)
-    _refused_in_one_line(_args(storage, inputs, tiny_model, sets), field, fix, capsys)
+    refused_in_one_line(_args(storage, inputs, tiny_model, sets), field, fix, capsys)
     assert tree(tmp_path) == before
 
 
@@ -339,7 +322,7 @@ def test_local_cluster_that_cannot_hold_the_workers_is_refused(what, tmp_path, t
         sets, field, fix = [f"scaling.num_workers={2 * preflight.local_cpus()}"], "num_workers", ""
         fix = f"scaling.num_workers <= {preflight.local_cpus()}"
     args = _args(tmp_path / "storage", tmp_path, tiny_model, sets + ["model.liger_kernels=false"])
-    _refused_in_one_line(args, f"scaling.{field}", fix, capsys, commands=("train",))
+    refused_in_one_line(args, f"scaling.{field}", fix, capsys, commands=("train",))
     assert not (tmp_path / "storage").exists()
     assert main(["validate", *args]) == 0
     assert f"note: `finetune train` on this machine (no RAY_ADDRESS) would refuse: scaling.{field}" in (
