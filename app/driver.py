@@ -391,8 +391,8 @@ def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | No
     it); None when no worker failed."""
     failures = sorted((getattr(exc, "worker_failures", None) or {}).items())
     causes = [(rank, _root_cause(failure)) for rank, failure in failures]
-    # A rank that fails because another one died (a closed connection in a collective) is not the cause.
-    causes.sort(key=lambda rc: type(rc[1]).__name__ == "DistBackendError" or "Connection closed" in str(rc[1]))
+    # A rank that fails because another one died (a closed or reset connection in a collective) is not the cause.
+    causes.sort(key=lambda rc: type(rc[1]).__name__ == "DistBackendError" or _lost_peer(str(rc[1])))
     if not causes:
         return None
     rank, cause = causes[0]
@@ -401,19 +401,24 @@ def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | No
     return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(line)
 
 
+def _lost_peer(text: str) -> bool:
+    return "Connection closed" in text or "Connection reset by peer" in text
+
+
 def failure_fix(cause: BaseException, max_failures: int) -> str | None:
     """What to change after the failures a run meets most (memory, a dead worker, a collective that timed out),
     so that nobody has to read Ray's or torch's traceback to learn it; None for the others."""
     import ray.exceptions
 
     name, text = type(cause).__name__, str(cause).lower()
-    if isinstance(cause, ray.exceptions.OutOfMemoryError) or "outofmemory" in name.lower() or "out of memory" in text:
+    oom = "outofmemory" in name.lower() or "out of memory" in text or "low on memory" in text
+    if oom or isinstance(cause, ray.exceptions.OutOfMemoryError):
         return (
             "Fix: out of memory; lower train.micro_batch_size (raise train.gradient_accumulation_steps to keep the "
             "batch), set model.gradient_checkpointing=true, or offload: "
             "deepspeed.zero_optimization.offload_optimizer={device: cpu}"
         )
-    if isinstance(cause, (ray.exceptions.ActorDiedError, ray.exceptions.WorkerCrashedError)):
+    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)):
         used = "no restart is allowed" if max_failures == 0 else f"its {max_failures} restart(s) are used up"
         return (
             f"Fix: a worker process died (killed, or out of host memory: see the node's events) and {used} "

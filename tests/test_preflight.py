@@ -497,6 +497,10 @@ def test_failures_after_start_name_the_cause_and_the_fix():
     timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: Timed out after 1800s")
     assert "Fix: a collective (NCCL/gloo) timed out" in line(timeout)
     assert line(ValueError("bad row")) == "ValueError: bad row [rank 0]"
+    # the rank that died is the cause, not the rank whose gloo connection it reset
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:14261: Connection reset by peer.")
+    both = str(driver.worker_error(WorkerGroupError("...", {0: reset, 1: died})))
+    assert both.startswith("ActorDiedError: ") and "[rank 1]. Fix: a worker process died" in both
     for text in (line(ray_oom), line(died), line(timeout)):
         assert "\n" not in text
 
