@@ -418,7 +418,9 @@ def failure_fix(cause: BaseException, max_failures: int) -> str | None:
             "batch), set model.gradient_checkpointing=true, or offload: "
             "deepspeed.zero_optimization.offload_optimizer={device: cpu}"
         )
-    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)):
+    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)) or name.startswith(
+        "WorkerHealthCheck"
+    ):
         used = "no restart is allowed" if max_failures == 0 else f"its {max_failures} restart(s) are used up"
         return (
             f"Fix: a worker process died (killed, or out of host memory: see the node's events) and {used} "
@@ -436,7 +438,8 @@ def _root_cause(failure: BaseException) -> BaseException:
     """The worker's own exception, under the wrappers Ray adds (a cause chain of a few links)."""
     cause = failure
     for _ in range(8):
-        inner = cause.__cause__ or getattr(cause, "cause", None)
+        # Ray's WorkerHealthCheckFailedError carries the dead worker's error as health_check_failure.
+        inner = cause.__cause__ or getattr(cause, "cause", None) or getattr(cause, "health_check_failure", None)
         if not isinstance(inner, BaseException) or inner is cause:
             break
         cause = inner

@@ -497,6 +497,10 @@ def test_failures_after_start_name_the_cause_and_the_fix():
     timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error: Timed out after 1800s")
     assert "Fix: a collective (NCCL/gloo) timed out" in line(timeout)
     assert line(ValueError("bad row")) == "ValueError: bad row [rank 0]"
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    checked = line(WorkerHealthCheckFailedError("A worker health check failed.", died))  # how Ray reports a kill
+    assert checked.startswith("ActorDiedError: ") and "Fix: a worker process died" in checked, checked
     # the rank that died is the cause, not the rank whose gloo connection it reset
     reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:14261: Connection reset by peer.")
     both = str(driver.worker_error(WorkerGroupError("...", {0: reset, 1: died})))
@@ -546,3 +550,24 @@ def test_a_bad_row_found_by_the_workers_ends_the_run_with_its_line(tmp_path, tin
 
 def _head(rows: int) -> bytes:
     return b"".join(CORPUS.read_bytes().splitlines(keepends=True)[:rows])
+
+
+@pytest.mark.slow
+def test_a_killed_worker_beyond_max_failures_ends_the_run_in_one_line(tmp_path, tiny_model):
+    """Real Ray and DeepSpeed, 2 CPU workers, scaling.max_failures=0: rank 1 SIGKILLs itself after step 2. The run
+    ends within a minute with exit 1 and one line naming the dead worker and the setting to change (not rank 0's
+    gloo 'Connection reset by peer', nor Ray's health-check wrapper); the lease is released."""
+    from conftest import run_cli, tiny_overrides
+
+    sets = {"train.max_steps_per_epoch": 4, "scaling.max_failures": 0}
+    result = run_cli(
+        "train", *tiny_overrides(tmp_path, "killed", tiny_model, **sets), env={"FINETUNE_FAULT_KILL_AT_STEP": "2"}
+    )
+    ended = time.time()
+    assert result.returncode == 1, result.stderr[-4000:]
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "ActorDiedError: " in lines[0] and "[rank 1]. Fix: a worker process died" in lines[0]
+    assert "no restart is allowed (scaling.max_failures)" in lines[0], lines[0]
+    killed_at = (tmp_path / "killed" / ".fault-killed-step-2").stat().st_mtime
+    assert ended - killed_at < 60, f"{ended - killed_at:.0f}s from the kill to the end"
+    assert not (tmp_path / "killed" / ".lease").exists()
