@@ -179,11 +179,13 @@ def _absolute(cfg: config_mod.TrainingConfig) -> config_mod.TrainingConfig:
 
 
 def cmd_validate(args) -> int:
-    from app import driver
+    from app import driver, preflight
 
     cfg, ds, note = driver.prepare(_load(args), offline=not args.online)
     if note:
         print(f"note: {note}", file=sys.stderr)
+    for problem in preflight.resource_problems(cfg):  # validate may check a config meant for a cluster
+        print(f"note: `finetune train` on this machine (no RAY_ADDRESS) would refuse: {problem}", file=sys.stderr)
     if not args.ds_config_only:
         print("# training config (resolved)")
         print(config_mod.to_yaml(cfg), end="")

@@ -231,7 +231,19 @@ class ScalingConfig(Section):
     use_gpu: bool = Field(True, description="One GPU per worker, NCCL; false: CPU workers, gloo, DS_ACCELERATOR=cpu.")
     cpus_per_worker: float = Field(1, gt=0, le=1024, description="CPUs Ray reserves for each worker.")
     max_failures: int = Field(
-        0, ge=-1, le=1000, description="Worker-group restarts within one run (Ray's FailureConfig; -1: unlimited)."
+        0,
+        ge=-1,
+        le=1000,
+        description="Restarts after a worker fails within one run (Ray's FailureConfig; -1: unlimited). A worker "
+        "group that cannot be placed is not retried: see placement_timeout_s.",
+    )
+    placement_timeout_s: float = Field(
+        600,
+        gt=0,
+        le=86_400,
+        description="On a cluster the run joins (RAY_ADDRESS), how long to wait for room for every worker (nodes "
+        "an autoscaler is still starting) before the run ends with what the cluster offers. A local cluster is "
+        "checked against this machine before it starts.",
     )
 
 

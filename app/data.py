@@ -120,7 +120,7 @@ SAMPLE_FILES = 16
 
 def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Problem]:
     """Columns and text of the first rows of (up to SAMPLE_FILES of) the files, read as `datasets` will read them."""
-    field, usable, whole, sampled = cfg.text_field, 0, len(files) <= SAMPLE_FILES, 0
+    field, usable, whole, sampled, looked = cfg.text_field, 0, len(files) <= SAMPLE_FILES, 0, 0
     for file in files[:SAMPLE_FILES]:
         if os.path.getsize(file) == 0:
             continue  # `datasets` reads an empty file among others as no rows; all of them empty is refused below
@@ -155,6 +155,7 @@ def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Probl
                 )
             ]
         usable += sum(1 for v in values if v is not None and v.strip())
+        looked += len(values)
         whole = whole and complete
     if sampled == 0 and whole:
         return [
@@ -165,13 +166,15 @@ def _sample_problems(cfg: DataConfig, files: list[str], kind: str) -> list[Probl
                 "point it at your data",
             )
         ]
-    if usable == 0 and whole:
+    if usable == 0 and (whole or looked):
+        where = "no row of" if whole else f"none of the first {looked:,} rows read (of {sampled} file(s)) of"
         return [
             Problem(
                 "data.text_field",
                 field,
-                f"no row of {cfg.dataset} has text in column '{field}' (every value is empty or null)",
-                "point data.dataset at data with text, or set data.text_field",
+                f"{where} {cfg.dataset} has text in column '{field}' (every value is empty or null)",
+                "point data.dataset at data with text, or set data.text_field"
+                + ("" if whole else "; when text comes only further down, shuffle the file so that it comes early"),
             )
         ]
     return []
@@ -341,8 +344,35 @@ def load_split(cfg: DataConfig, split: str):
             return loaded
         files = _local_files(cfg.dataset)
         builder = LOCAL_BUILDERS[Path(files[0]).suffix]
-        return datasets.load_dataset(builder, data_files={"train": files}, split=split)
+        try:
+            return datasets.load_dataset(builder, data_files={"train": files}, split=split)
+        except Exception as exc:  # noqa: BLE001 - a bad row beyond the sample validate read: say where it is
+            raise unreadable_data(files, builder, exc) from None
     return datasets.load_dataset(cfg.dataset, cfg.config_name, split=split)
+
+
+def unreadable_data(files: list[str], builder: str, exc: BaseException) -> Problem:
+    """The file and line that `datasets` could not read, as one Problem (its own error names a row of a batch)."""
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    reason = (str(root).strip().splitlines() or [type(root).__name__])[0][:200]
+    if builder == "json":
+        for file in files:
+            with open(file, "rb") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        if isinstance(json.loads(line), dict):
+                            continue
+                        reason = "not a JSON object"
+                    except ValueError as err:
+                        reason = f"not JSON: {err}"
+                    if number == 1 and line.lstrip().startswith(b"["):
+                        break  # one JSON document, not JSON Lines: `datasets`' own reason stands
+                    return Problem("data.dataset", file, f"line {number} is {reason}", "fix or remove that line")
+    return Problem("data.dataset", files[0] if len(files) == 1 else files, f"cannot be read: {reason}", "fix the file")
 
 
 def _slice(n: int, spec: str) -> range:
@@ -456,8 +486,12 @@ def prepare(
             )
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        datasets.DatasetDict(parts).save_to_disk(str(tmp))
-        (tmp / "done").write_text("ok\n")
+        try:
+            datasets.DatasetDict(parts).save_to_disk(str(tmp))
+            (tmp / "done").write_text("ok\n")
+        except BaseException:  # a full volume, a stop: no half-written cache is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     barrier()

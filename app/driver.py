@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from app import data, ds_config, logs, preemption
+from app import data, ds_config, logs, preemption, preflight
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
 from app.model import check_seq_length, load_model_config, model_source
@@ -76,8 +76,10 @@ def storage_problems(storage_path: str) -> list[Problem]:
 def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Problem], str | None]:
     """The transformers model config (None when it cannot be read now), its context check, and a note when it
     cannot be read."""
-    source, _ = model_source(cfg.model.name_or_path)
+    source, random_init = model_source(cfg.model.name_or_path)
     local = data.is_local(source)
+    if local and preflight.model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init):
+        return None, [], None  # preflight_problems names what the folder lacks
     try:
         if offline and not local:
             from transformers import AutoConfig
@@ -219,7 +221,9 @@ def check(
     while the model is counted on the meta device in a thread (the layer sizes of the "auto" ZeRO-3 values): that
     imports transformers' modelling code, seconds of the start-up that then overlap Ray's (docs/benchmarks.md,
     runs K-M). An invalid config never starts Ray."""
-    problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg)
+    problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg, offline)
+    if meanwhile is not None:  # `finetune train`: a local cluster starts here unless RAY_ADDRESS names one
+        problems += preflight.resource_problems(cfg)
     mc, model_problems, note = read_model_config(cfg, offline)
     problems += model_problems + compile_problems(cfg)
     if not problems and cfg.model.fp8 and mc is not None:
@@ -238,8 +242,8 @@ def check(
     return ds_config.build(cfg, **facts), note
 
 
-def preflight_problems(cfg: TrainingConfig) -> list[Problem]:
-    """The data and storage checks, which need no model and no DeepSpeed config."""
+def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Problem]:
+    """The data, storage, model-file and DeepSpeed-block checks, which need no model config and no cluster."""
     problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
     try:
         problems += data.check_source(cfg.data)
@@ -247,7 +251,8 @@ def preflight_problems(cfg: TrainingConfig) -> list[Problem]:
         problems.append(
             Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files")
         )
-    return problems
+    named = {p.field for p in problems}  # e.g. a saved DatasetDict's missing split, found by check_source
+    return problems + [p for p in preflight.problems(cfg, offline) if p.field not in named]
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:
@@ -333,6 +338,9 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     from app.train_loop import train_loop
 
     env = worker_env(cfg)
+    # Ray Train reads it in its controller (it propagates this variable there): a worker group that cannot be
+    # placed ends the run after this wait instead of waiting 60 s again and again (controller_failure_limit=0).
+    os.environ[preflight.START_TIMEOUT_ENV] = preflight.start_timeout_s(cfg)
     start_ray(cfg)
     preemption.on_driver_sigterm(cfg.experiment_dir, lease_token)  # after ray.init, which sets its own handler
     now = time.time()  # start-up breakdown: the loop adds its own marks and logs the whole
@@ -358,14 +366,15 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
             name=cfg.experiment.name,
             storage_path=str(Path(cfg.experiment.storage_path).expanduser().resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=FailureConfig(max_failures=s.max_failures),
+            failure_config=FailureConfig(max_failures=s.max_failures, controller_failure_limit=0),
             worker_runtime_env={"env_vars": env},
         ),
     )
     try:
         return trainer.fit()
     except Exception as exc:
-        error = worker_error(exc)
+        placement = preflight.placement_failure(exc, cfg)
+        error = WorkerProblem(placement) if placement else worker_error(exc, s.max_failures)
         if error is None:
             raise
         raise error from exc
@@ -376,25 +385,61 @@ class WorkerProblem(RuntimeError):
     unchanged would fail the same way."""
 
 
-def worker_error(exc: BaseException) -> RuntimeError | None:
+def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | None:
     """Ray's error for failed workers (its message starts with "Training failed due to worker errors") as the
     failing rank's own exception in one line, which the CLI shows first (Ray logs every worker's traceback above
     it); None when no worker failed."""
     failures = sorted((getattr(exc, "worker_failures", None) or {}).items())
     causes = [(rank, _root_cause(failure)) for rank, failure in failures]
-    # A rank that fails because another one died (a closed connection in a collective) is not the cause.
-    causes.sort(key=lambda rc: type(rc[1]).__name__ == "DistBackendError" or "Connection closed" in str(rc[1]))
+    # A rank that fails because another one died (a closed or reset connection in a collective) is not the cause.
+    causes.sort(key=lambda rc: type(rc[1]).__name__ == "DistBackendError" or _lost_peer(str(rc[1])))
     if not causes:
         return None
     rank, cause = causes[0]
-    return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(f"{_one_line(cause)} [rank {rank}]")
+    advice = failure_fix(cause, max_failures)
+    line = f"{_one_line(cause)} [rank {rank}]" + (f". {advice}" if advice else "")
+    return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(line)
+
+
+def _lost_peer(text: str) -> bool:
+    return "Connection closed" in text or "Connection reset by peer" in text
+
+
+def failure_fix(cause: BaseException, max_failures: int) -> str | None:
+    """What to change after the failures a run meets most (memory, a dead worker, a collective that timed out),
+    so that nobody has to read Ray's or torch's traceback to learn it; None for the others."""
+    import ray.exceptions
+
+    name, text = type(cause).__name__, str(cause).lower()
+    oom = "outofmemory" in name.lower() or "out of memory" in text or "low on memory" in text
+    if oom or isinstance(cause, ray.exceptions.OutOfMemoryError):
+        return (
+            "Fix: out of memory; lower train.micro_batch_size (raise train.gradient_accumulation_steps to keep the "
+            "batch), set model.gradient_checkpointing=true, or offload: "
+            "deepspeed.zero_optimization.offload_optimizer={device: cpu}"
+        )
+    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)) or name.startswith(
+        "WorkerHealthCheck"
+    ):
+        used = "no restart is allowed" if max_failures == 0 else f"its {max_failures} restart(s) are used up"
+        return (
+            f"Fix: a worker process died (killed, or out of host memory: see the node's events) and {used} "
+            "(scaling.max_failures); raise scaling.max_failures to restart from the last checkpoint, or deploy again"
+        )
+    if ("timed out" in text or "timeout" in text) and ("gloo" in text or "nccl" in text or "DistBackend" in name):
+        return (
+            "Fix: a collective (NCCL/gloo) timed out: one rank stopped or fell far behind (see its log above); on "
+            "several nodes check the network between them (NCCL_SOCKET_IFNAME), then deploy again"
+        )
+    return None
 
 
 def _root_cause(failure: BaseException) -> BaseException:
     """The worker's own exception, under the wrappers Ray adds (a cause chain of a few links)."""
     cause = failure
     for _ in range(8):
-        inner = cause.__cause__ or getattr(cause, "cause", None)
+        # Ray's WorkerHealthCheckFailedError carries the dead worker's error as health_check_failure.
+        inner = cause.__cause__ or getattr(cause, "cause", None) or getattr(cause, "health_check_failure", None)
         if not isinstance(inner, BaseException) or inner is cause:
             break
         cause = inner

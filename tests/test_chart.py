@@ -534,7 +534,8 @@ DS_CASES = {
 
 def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
     """A model read from the checkpoint volume (examples/values-cpu.yaml) is not on this machine: a model folder
-    with a small GPT-2 config.json stands in for it (the volume's path, moved under tmp_path)."""
+    with a small GPT-2 config.json, a weights file without tensors and a tokenizer file stands in for it (the
+    volume's path, moved under tmp_path); validate reads no more of them than that they are there and whole."""
     model = (yaml.safe_load(config_files(objects)["training.yaml"]).get("model") or {}).get("name_or_path", "")
     mount = container(pod_templates(objects)["head"])["volumeMounts"]
     mount = next((m["mountPath"] for m in mount if model.startswith(m["mountPath"] + "/")), None)
@@ -547,6 +548,8 @@ def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
             {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 128, "vocab_size": 1000}
         )
     )
+    (folder / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    (folder / "tokenizer.json").write_text("{}")
     return ["--set", f"model.name_or_path={folder}"]
 
 

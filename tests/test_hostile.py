@@ -258,7 +258,14 @@ def test_hostile_input_exits_2_early_with_one_line(case, tmp_path, tiny_model, c
         args += ["--set", s]
     monkeypatch.chdir(tmp_path)  # relative data paths are judged from here
     before = tree(tmp_path)
-    for command in ("validate", "train"):
+    refused_in_one_line(args, field, fix, capsys)
+    assert tree(tmp_path) == before  # nothing written: not to storage, not beside the inputs
+
+
+def refused_in_one_line(args: list[str], field: str, fix: str, capsys, commands=("validate", "train")) -> None:
+    """Each command exits 2 within seconds with one error line, starting with `field` and holding `fix`, and no
+    Ray cluster started."""
+    for command in commands:
         started = time.monotonic()
         assert main([command, *args]) == 2, command
         elapsed = time.monotonic() - started
@@ -271,7 +278,6 @@ def test_hostile_input_exits_2_early_with_one_line(case, tmp_path, tiny_model, c
         assert elapsed < 20, f"{command} took {elapsed:.1f}s"
         ray = sys.modules.get("ray")
         assert ray is None or not ray.is_initialized(), "a Ray cluster was started"
-    assert tree(tmp_path) == before  # nothing written: not to storage, not beside the inputs
 
 
 def test_at_least_thirty_hostile_cases():

@@ -1,0 +1,528 @@
+"""Checks that run before any cluster starts and cost milliseconds: the model and tokenizer files, the splits and
+fractions of local data, what DeepSpeed itself would refuse only at `initialize`, and whether the machine a local
+Ray cluster starts on can ever hold the workers asked for. Also the one place that turns Ray's "the worker group
+could not be placed" into one line naming the request and what the cluster offers.
+
+Every check reads files or a few numbers; none starts a process. What only the workers can judge (a hub model
+when the hub is unreachable, a hub dataset's splits) is left to them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app import data
+from app.errors import Problem
+from app.model import model_source
+
+if TYPE_CHECKING:
+    from app.config import TrainingConfig
+
+# Ray Train's wait for the worker group's placement (its default is 60 s, then it retries without limit).
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+def problems(cfg: TrainingConfig, offline: bool = True) -> list[Problem]:
+    """Every check here that needs no cluster; the hub is asked only when `offline` is false."""
+    return model_problems(cfg, offline) + split_problems(cfg) + deepspeed_problems(cfg)
+
+
+# --- model and tokenizer -----------------------------------------------------------------------------------
+
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# What transformers' tokenizers load their vocabulary from (tokenizer_config.json alone is not a tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.txt")
+
+
+def looks_local(name: str) -> bool:
+    """A folder path rather than a hub name ('name' or 'owner/name')."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.path.exists(os.path.expanduser(name))
+
+
+def model_problems(cfg: TrainingConfig, offline: bool) -> list[Problem]:
+    source, random_init = model_source(cfg.model.name_or_path)
+    found = []
+    if looks_local(source):
+        found += model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init)
+    elif not offline:
+        found += hub_problems(source, "model.name_or_path", weights=not random_init)
+    tokenizer = cfg.model.tokenizer
+    if tokenizer and looks_local(tokenizer):
+        found += tokenizer_problems(Path(tokenizer).expanduser(), "model.tokenizer", tokenizer)
+    elif tokenizer and not offline:
+        found += hub_problems(tokenizer, "model.tokenizer", weights=False)
+    elif not tokenizer and looks_local(source) and not found:
+        found += tokenizer_problems(
+            Path(source).expanduser(), "model.name_or_path", cfg.model.name_or_path, "or set model.tokenizer"
+        )
+    return found
+
+
+def model_folder_problems(folder: Path, value: str, random_init: bool) -> list[Problem]:
+    field = "model.name_or_path"
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "no such folder"
+        return [Problem(field, value, what, "point it at a from_pretrained folder (config.json and weights)")]
+    if not (folder / "config.json").is_file():
+        return [Problem(field, value, "the folder has no config.json", "point it at a from_pretrained folder")]
+    if random_init:
+        return []  # random-init: builds from config.json alone
+    for index in INDEXES:
+        if (folder / index).is_file():
+            return _index_problems(folder, index, value)
+    single = [folder / name for name in WEIGHTS if (folder / name).is_file()]
+    if not single:
+        return [
+            Problem(
+                field,
+                value,
+                f"the folder has config.json but no weights ({', '.join(WEIGHTS + INDEXES)})",
+                "copy the weight files in, or write random-init:<folder> to train from freshly initialised weights",
+            )
+        ]
+    return _safetensors_problems(single[0], value)
+
+
+def _index_problems(folder: Path, index: str, value: str) -> list[Problem]:
+    field = "model.name_or_path"
+    try:
+        shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return [Problem(field, value, f"{index} is not a weight index ({type(exc).__name__})", "download it again")]
+    missing = [s for s in shards if not (folder / s).is_file()]
+    if missing:
+        listed = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        return [
+            Problem(
+                field,
+                value,
+                f"{index} names {len(shards)} shards; {len(missing)} missing: {listed}",
+                "download the missing shards (an interrupted download?)",
+            )
+        ]
+    return [p for s in shards if s.endswith(".safetensors") for p in _safetensors_problems(folder / s, value)][:1]
+
+
+def _safetensors_problems(path: Path, value: str) -> list[Problem]:
+    """A safetensors file whose size differs from what its header says is cut short (an interrupted copy)."""
+    if path.suffix != ".safetensors":
+        return []
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(size - 8, 100 << 20):
+                raise ValueError("header length beyond the file")
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+        return [
+            Problem("model.name_or_path", value, f"{path.name} is not a safetensors file ({exc})", "download it again")
+        ]
+    if 8 + length + end != size:
+        return [
+            Problem(
+                "model.name_or_path",
+                value,
+                f"{path.name} is {size:,} bytes but its header describes {8 + length + end:,}",
+                "download it again (the copy was cut short)",
+            )
+        ]
+    return []
+
+
+def tokenizer_problems(folder: Path, field: str, value: str, alternative: str = "") -> list[Problem]:
+    fix = f"point it at a folder with a tokenizer (save_pretrained of one){' ' + alternative if alternative else ''}"
+    if not folder.is_dir():
+        return [Problem(field, value, "is a file, not a folder" if folder.exists() else "no such folder", fix)]
+    if any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken")):
+        return []
+    if (folder / "vocab.json").is_file():
+        if (folder / "merges.txt").is_file():
+            return []
+        return [Problem(field, value, "the tokenizer has vocab.json but no merges.txt", fix)]
+    return [Problem(field, value, f"the folder has no tokenizer files ({', '.join(TOKENIZER_FILES)}, ...)", fix)]
+
+
+def hub_problems(name: str, field: str, weights: bool) -> list[Problem]:
+    """A hub repository that does not exist, is gated, or holds no weights; asked only when the hub answers within
+    a few seconds (otherwise the workers find out, as they would anyway)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return []
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        files = [s.rfilename for s in HfApi().model_info(name, timeout=5).siblings or []]
+    except GatedRepoError:
+        return [Problem(field, name, "is a gated model", "accept its terms on the hub and set HF_TOKEN")]
+    except RepositoryNotFoundError:
+        return [Problem(field, name, "no such model on the hub (or it is private)", "check the name, or set HF_TOKEN")]
+    except Exception:  # noqa: BLE001 - unreachable hub, proxy, rate limit: left to the workers
+        return []
+    if weights and not any(f.endswith((".safetensors", ".bin")) for f in files):
+        return [Problem(field, name, "the hub repository has no weight files", "use a model repository with weights")]
+    return []
+
+
+# --- splits and fractions of local data ---------------------------------------------------------------------
+
+COUNT_BYTES = 256 << 20  # local data up to this size is counted row by row (a second or so); larger is not
+
+
+def split_problems(cfg: TrainingConfig) -> list[Problem]:
+    """A split expression that selects no row or names a split the data does not have, an eval split likewise,
+    and an eval fraction that leaves fewer training rows than one optimizer step needs."""
+    d = cfg.data
+    try:
+        sizes = split_sizes(cfg)
+    except (OSError, ValueError, KeyError, TypeError, data.TooManyFiles):
+        return []  # check_source reports an unreadable or unusable source
+    if sizes is None or not any(sizes.values()):
+        return []  # unknown here, or no rows at all (check_source says the data is empty)
+    train, found = _selected("data.split", d.split, sizes)
+    if d.eval_split:
+        _, more = _selected("data.eval_split", d.eval_split, sizes)
+        found += more
+    if found or train is None:
+        return found
+    held_out = math.ceil(d.eval_fraction * train) if d.eval_fraction else 0
+    left = train - held_out
+    t, world = cfg.train, cfg.scaling.num_workers
+    # Unpacked, each row is at most one sequence; packed, a row can fill several, so one row may do.
+    needed = 1 if d.packing else t.micro_batch_size * t.gradient_accumulation_steps * world
+    if left >= needed:
+        return []
+    if held_out:
+        most = max(0.0, math.floor(round((train - needed) / train * 1000, 6)) / 1000)
+        return [
+            Problem(
+                "data.eval_fraction",
+                d.eval_fraction,
+                f"holds out {held_out} of the split's {train} rows, leaving {left} for training; one step needs "
+                f"{needed}",
+                f"set data.eval_fraction <= {most:g}, or use a larger split",
+            )
+        ]
+    return [
+        Problem(
+            "data.split",
+            d.split,
+            f"selects {train} rows; one step needs {needed} (micro-batch {t.micro_batch_size} x accumulation "
+            f"{t.gradient_accumulation_steps} x {world} workers, one row each without packing)",
+            "select more rows, or lower train.micro_batch_size / scaling.num_workers",
+        )
+    ]
+
+
+def _selected(field: str, spec: str, sizes: dict[str, int]) -> tuple[int | None, list[Problem]]:
+    """(rows `spec` selects, problems), by `datasets`' own parser of split expressions."""
+    from datasets.arrow_reader import ReadInstruction
+
+    try:
+        parts = ReadInstruction.from_spec(spec).to_absolute(sizes)
+    except (ValueError, AssertionError, KeyError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if text.startswith("Unknown split"):
+            return None, [Problem(field, spec, f"no such split; the data has {sorted(sizes)}", "use one of them")]
+        return None, [
+            Problem(field, spec, f"is not a split expression ({text})", "write e.g. train, train[:90%] or train[:1000]")
+        ]
+    rows = sum(max(0, p.to - p.from_) for p in parts)
+    if rows == 0:
+        counts = ", ".join(f"{name}: {n:,} rows" for name, n in sorted(sizes.items()))
+        return 0, [Problem(field, spec, f"selects no row ({counts})", "select a non-empty range, e.g. train[:50%]")]
+    return rows, []
+
+
+def split_sizes(cfg: TrainingConfig) -> dict[str, int] | None:
+    """{split: rows} of local data as `datasets` will load it (files are one split, 'train'), or None when unknown:
+    a hub dataset, a saved single Dataset (loaded whole, whatever the split), or data too large to count here."""
+    spec = cfg.data.dataset
+    if not data.is_local(spec):
+        return None
+    path = Path(spec).expanduser()
+    if data._saved_dataset(path):
+        if not (path / "dataset_dict.json").is_file():
+            return None
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        return {name: _saved_rows(path / name) for name in splits}
+    files = data._local_files(spec)
+    kinds = {data.LOCAL_BUILDERS.get(Path(f).suffix) for f in files}
+    if not files or len(kinds) != 1 or sum(os.path.getsize(f) for f in files) > COUNT_BYTES:
+        return None
+    kind = kinds.pop()
+    return {"train": sum(count_rows(f, kind) for f in files)}
+
+
+def _saved_rows(folder: Path) -> int:
+    state = json.loads((folder / "state.json").read_text())
+    import pyarrow as pa
+
+    total = 0
+    for entry in state["_data_files"]:
+        with pa.memory_map(str(folder / entry["filename"])) as source:
+            total += pa.ipc.open_stream(source).read_all().num_rows
+    return total
+
+
+def count_rows(file: str, kind: str) -> int:
+    """Rows of one file as `datasets`' builder reads them: every line of text, every non-blank line of JSON Lines."""
+    if os.path.getsize(file) == 0:
+        return 0
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(file).metadata.num_rows
+    if kind == "csv":
+        import pandas as pd
+
+        try:
+            return len(pd.read_csv(file, usecols=[0]))
+        except pd.errors.EmptyDataError:
+            return 0
+    with open(file, "rb") as f:
+        head = f.read(1 << 16).lstrip()
+        f.seek(0)
+        if kind == "json" and head.startswith((b"[", b"{")) and not _is_json_lines(head):
+            doc = json.load(f)
+            return len(doc) if isinstance(doc, list) else len(next(iter(doc.values()), []))
+        if kind == "text":
+            return sum(1 for _ in f)
+        return sum(1 for line in f if line.strip())
+
+
+def _is_json_lines(head: bytes) -> bool:
+    first = head.split(b"\n", 1)[0]
+    try:
+        return isinstance(json.loads(first), dict) and b"\n" in head
+    except ValueError:
+        return False
+
+
+# --- what DeepSpeed refuses only at initialize ----------------------------------------------------------------
+
+# deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS (matched lower-cased); any other type must be a torch.optim class.
+DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+# deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES; any other type must be a torch.optim.lr_scheduler class.
+DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+# The keys DeepSpeed's ZeRO config models accept (fields and aliases of DeepSpeedZeroConfig and its offload
+# configs, which forbid any other: a typo there fails deepspeed.initialize on every worker).
+ZERO_KEYS = (
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
+    "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint",
+    "enable_sanity_checks", "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "leaf_module",
+    "legacy_stage1", "load_from_fp32_weights", "log_trace_cache_warnings", "max_live_parameters",
+    "max_reuse_distance", "memory_efficient_linear", "model_persistence_threshold", "module_granularity_threshold",
+    "offload_optimizer", "offload_param", "overlap_comm", "override_module_apply", "param_persistence_threshold",
+    "parameter_alignment", "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size",
+    "reduce_scatter", "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage",
+    "stage3_allgather_sequential", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
+    "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size", "stage3_use_all_reduce_for_fetch_params",
+    "sub_group_size", "use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",
+    "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "zero_quantized_weights",
+)  # fmt: skip
+OFFLOAD_KEYS = {
+    "offload_param": ("buffer_count", "buffer_size", "device", "max_in_cpu", "nvme_path", "pin_memory"),
+    "offload_optimizer": (
+        "buffer_count", "cpuadam_cores_perc", "device", "fast_init", "nvme_path", "pin_memory", "pipeline_read",
+        "pipeline_write", "ratio", "super_offload",
+    ),
+}  # fmt: skip
+
+
+def deepspeed_problems(cfg: TrainingConfig) -> list[Problem]:
+    ds = cfg.deepspeed
+    found = _unknown_keys("deepspeed.zero_optimization", ds.zero_optimization, ZERO_KEYS)
+    for key, known in OFFLOAD_KEYS.items():
+        if getattr(ds.zero_optimization, key) is not None:
+            found += _unknown_keys(f"deepspeed.zero_optimization.{key}", getattr(ds.zero_optimization, key), known)
+    if ds.optimizer is not None:
+        found += _component("optimizer", ds.optimizer.type, _optimizer_known)
+    if ds.scheduler is not None:
+        found += _component("scheduler", ds.scheduler.type, _scheduler_known)
+    zero = ds.zero_optimization
+    for key in ("offload_param", "offload_optimizer"):
+        offload = getattr(zero, key)
+        if offload is not None and offload.device == "nvme" and not (offload.model_extra or {}).get("nvme_path"):
+            found.append(
+                Problem(
+                    f"deepspeed.zero_optimization.{key}.nvme_path",
+                    None,
+                    "device nvme needs a folder on the NVMe drive (DeepSpeed refuses nvme_path=None at initialize, "
+                    "after building its CPU Adam)",
+                    f"set deepspeed.zero_optimization.{key}.nvme_path=/local_nvme, or device: cpu",
+                )
+            )
+    return found
+
+
+def _unknown_keys(where: str, block, known: tuple[str, ...]) -> list[Problem]:
+    import difflib
+
+    found = []
+    for key in sorted(block.model_fields_set | set(block.model_extra or {})):
+        if key not in known:
+            guess = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean '{guess[0]}'?" if guess else "remove it (see DeepSpeed's config docs)"
+            found.append(Problem(f"{where}.{key}", getattr(block, key, None), "DeepSpeed accepts no such key", fix))
+    return found
+
+
+def _component(key: str, kind: Any, known) -> list[Problem]:
+    field = f"deepspeed.{key}.type"
+    if not isinstance(kind, str) or not kind:
+        return [Problem(field, kind, f"a DeepSpeed {key} needs a type", f"set it, or remove deepspeed.{key}")]
+    choices = known(kind)
+    if choices is None:
+        return []
+    import difflib
+
+    guess = difflib.get_close_matches(kind, choices, n=1, cutoff=0.6)
+    fix = f"did you mean '{guess[0]}'?" if guess else f"use one of {', '.join(choices)}"
+    return [
+        Problem(
+            field,
+            kind,
+            f"DeepSpeed knows no {key} of this type (its own or torch's)",
+            f"{fix} (or remove deepspeed.{key} to use the app's)",
+        )
+    ]
+
+
+def _optimizer_known(kind: str) -> list[str] | None:
+    """None when DeepSpeed builds `kind`; else the names to suggest."""
+    import torch
+
+    if kind.lower() in DEEPSPEED_OPTIMIZERS or _is_class(torch.optim, kind, torch.optim.Optimizer):
+        return None
+    return list(DEEPSPEED_OPTIMIZERS)
+
+
+def _scheduler_known(kind: str) -> list[str] | None:
+    import torch
+
+    if kind in DEEPSPEED_SCHEDULERS or _is_class(torch.optim.lr_scheduler, kind, torch.optim.lr_scheduler.LRScheduler):
+        return None
+    return list(DEEPSPEED_SCHEDULERS)
+
+
+def _is_class(module, name: str, base: type) -> bool:
+    value = getattr(module, name, None)
+    return isinstance(value, type) and issubclass(value, base)
+
+
+# --- resources ----------------------------------------------------------------------------------------------
+
+
+def resource_problems(cfg: TrainingConfig) -> list[Problem]:
+    """A run that starts its own local Ray cluster gets this machine's GPUs and CPUs, no more: a worker group that
+    cannot fit would wait for ever. On a cluster it joins (RAY_ADDRESS) nodes may still come (autoscaling), so
+    there the wait is bounded instead (`placement_failure`)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return []
+    s = cfg.scaling
+    gpus, cpus = local_gpus(), local_cpus()
+    found = []
+    if s.use_gpu and s.num_workers > gpus:
+        found.append(
+            Problem(
+                "scaling.use_gpu",
+                True,
+                f"{s.num_workers} worker(s) need one GPU each; this machine has {gpus or 'none'} (a local Ray cluster "
+                "starts here: RAY_ADDRESS is not set)",
+                "set scaling.use_gpu=false to train on CPUs"
+                + (f", or scaling.num_workers={gpus}" if gpus else "")
+                + ", or set RAY_ADDRESS to a cluster with GPUs",
+            )
+        )
+    if s.num_workers * s.cpus_per_worker > cpus:
+        most = max(1, int(cpus // s.cpus_per_worker))
+        found.append(
+            Problem(
+                "scaling.num_workers",
+                s.num_workers,
+                f"{s.num_workers} workers x {s.cpus_per_worker:g} CPUs (scaling.cpus_per_worker) need "
+                f"{s.num_workers * s.cpus_per_worker:g} CPUs; this machine has {cpus}",
+                f"set scaling.num_workers <= {most}, or lower scaling.cpus_per_worker",
+            )
+        )
+    return found
+
+
+def local_gpus() -> int:
+    """GPUs a local Ray cluster would find here, by Ray's own detection (CUDA_VISIBLE_DEVICES counts)."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource("GPU")
+        visible = manager.get_current_process_visible_accelerator_ids()
+        return len(visible) if visible is not None else manager.get_current_node_num_accelerators()
+    except Exception:  # noqa: BLE001 - Ray internals moved: count what torch sees
+        import torch
+
+        return torch.cuda.device_count()
+
+
+def local_cpus() -> int:
+    """CPUs a local Ray cluster would offer here (Ray's own count: the process's CPU set and cgroup quota)."""
+    try:
+        from ray._private.utils import get_num_cpus
+
+        return int(get_num_cpus())
+    except Exception:  # noqa: BLE001
+        return len(os.sched_getaffinity(0))
+
+
+def start_timeout_s(cfg: TrainingConfig) -> str:
+    """Ray Train's placement wait for this run, as its environment variable wants it."""
+    return f"{cfg.scaling.placement_timeout_s:g}"
+
+
+def placement_failure(exc: BaseException, cfg: TrainingConfig) -> str | None:
+    """Ray's error when the worker group could not be placed (its start timed out, or the cluster's largest size
+    cannot hold it) as one line naming the request and what the cluster offers; None for any other error."""
+    from ray.train.v2._internal.exceptions import InsufficientClusterResourcesError, WorkerGroupStartupTimeoutError
+
+    cause = getattr(exc, "controller_failure", exc)
+    if not isinstance(cause, (WorkerGroupStartupTimeoutError, InsufficientClusterResourcesError)):
+        return None
+    s = cfg.scaling
+    ask = {"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}
+    waited = (
+        f"within scaling.placement_timeout_s={s.placement_timeout_s:g} s"
+        if isinstance(cause, WorkerGroupStartupTimeoutError)
+        else "on the cluster's largest size"
+    )
+    return (
+        f"scaling: {s.num_workers} workers x {_resources(ask)} could not be placed {waited}; the cluster offers "
+        f"{_resources(_offered())} in all. Fix: lower scaling.num_workers or scaling.cpus_per_worker, set "
+        "scaling.use_gpu to match the nodes, add nodes, or raise scaling.placement_timeout_s when nodes are still "
+        "starting"
+    )
+
+
+def _offered() -> dict[str, float]:
+    try:
+        import ray
+
+        return {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")} or {"CPU": 0}
+    except Exception:  # noqa: BLE001 - the cluster went away meanwhile
+        return {}
+
+
+def _resources(amounts: dict[str, float]) -> str:
+    if not amounts:
+        return "(unknown)"
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(amounts.items())) + "}"
