@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app import ds_config
+from app import ds_block, ds_config
 from app.config import DNS1035, MAX_EXPERIMENT_NAME, TrainingConfig
 
 CHART_SCHEMA = Path(__file__).resolve().parents[1] / "helm" / "ray-finetune" / "values.schema.json"
@@ -37,9 +37,9 @@ def training_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     # ExperimentConfig checks this in a validator; the schema states it so helm rejects it too.
     name["pattern"] = DNS1035.pattern
     name["maxLength"] = MAX_EXPERIMENT_NAME
-    # The rules that span fields (app.ds_config's, DataConfig's), written as JSON schema conditions.
+    # The rules that span fields (app.ds_config's, app.ds_block's, DataConfig's), written as JSON schema conditions.
     schema["allOf"] = ds_config.schema_rules(TrainingConfig.model_fields["train"].default.precision)
-    defs["ZeroOptimization"]["allOf"] = ds_config.zero_schema_rules()
+    defs["ZeroOptimization"]["allOf"] = ds_block.zero_schema_rules()
     schema["description"] = (
         "The app's training config file (see `finetune validate`); generated from "
         "app.config.TrainingConfig by `make schema`."

@@ -132,4 +132,3 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     assert cycles(graph) == [["app.a", "app.sub.b", "app.c", "app.a"]]
     (pkg / "c.py").write_text("import os\n")  # the circle broken: none left
     assert cycles(import_graph(pkg)) == []
-
