@@ -116,8 +116,8 @@ def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def kubernetes_properties() -> dict[str, Any]:
-    worker_group = _obj(
+def _worker_group() -> dict[str, Any]:
+    return _obj(
         _pod_group(
             {
                 "enabled": BOOL,
@@ -131,6 +131,71 @@ def kubernetes_properties() -> dict[str, Any]:
         ),
         "One worker group.",
     )
+
+
+def _ray_job() -> dict[str, Any]:
+    return _obj(
+        {
+            "clusterMode": {"enum": ["ephemeral", "persistent"]},
+            "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode"]},
+            "shutdownAfterJobFinishes": BOOL,
+            "ttlSecondsAfterFinished": _int(0),
+            "backoffLimit": _int(0),
+            "activeDeadlineSeconds": _int(0),
+            "suspend": BOOL,
+            "queueName": STR,
+            "labels": STRING_MAP,
+            "annotations": STRING_MAP,
+            "submitter": _obj(
+                {
+                    "backoffLimit": _int(0),
+                    "resources": RESOURCES,
+                    "nodeSelector": STRING_MAP,
+                    "tolerations": LIST_OF_OBJECTS,
+                    "podSecurityContext": FREE_OBJECT,
+                    "securityContext": FREE_OBJECT,
+                }
+            ),
+        }
+    )
+
+
+def _storage() -> dict[str, Any]:
+    return _obj(
+        {
+            "mountPath": {"type": "string", "pattern": "^/"},
+            "create": BOOL,
+            "existingClaim": STR,
+            "storageClassName": STR,
+            "size": QTY,
+            "accessModes": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"enum": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]},
+            },
+            "annotations": STRING_MAP,
+            "huggingfaceCache": BOOL,
+        }
+    )
+
+
+def _preemption() -> dict[str, Any]:
+    return _obj(
+        {
+            "enabled": BOOL,
+            "gracePeriodSeconds": {
+                "type": "integer",
+                "minimum": 30,
+                "maximum": 86400,
+                "description": "The Ray pods' terminationGracePeriodSeconds: one optimizer step plus one "
+                "checkpoint write, with a margin.",
+            },
+        }
+    )
+
+
+def kubernetes_properties() -> dict[str, Any]:
+    """The chart's values besides `training`: what only Kubernetes knows."""
     return {
         "image": _obj(
             {
@@ -143,30 +208,7 @@ def kubernetes_properties() -> dict[str, Any]:
         "imagePullSecrets": {"type": "array", "items": _obj({"name": STR}, required=["name"])},
         "rayVersion": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+"},
         "commonLabels": STRING_MAP,
-        "rayJob": _obj(
-            {
-                "clusterMode": {"enum": ["ephemeral", "persistent"]},
-                "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode"]},
-                "shutdownAfterJobFinishes": BOOL,
-                "ttlSecondsAfterFinished": _int(0),
-                "backoffLimit": _int(0),
-                "activeDeadlineSeconds": _int(0),
-                "suspend": BOOL,
-                "queueName": STR,
-                "labels": STRING_MAP,
-                "annotations": STRING_MAP,
-                "submitter": _obj(
-                    {
-                        "backoffLimit": _int(0),
-                        "resources": RESOURCES,
-                        "nodeSelector": STRING_MAP,
-                        "tolerations": LIST_OF_OBJECTS,
-                        "podSecurityContext": FREE_OBJECT,
-                        "securityContext": FREE_OBJECT,
-                    }
-                ),
-            }
-        ),
+        "rayJob": _ray_job(),
         "auth": _obj({"mode": {"enum": ["token", "disabled"]}, "secretName": STR, "allowDisabled": BOOL}),
         "networkPolicy": _obj(
             {"enabled": BOOL, "operatorNamespace": STR, "extraIngress": LIST_OF_OBJECTS, "egress": LIST_OF_OBJECTS}
@@ -176,24 +218,9 @@ def kubernetes_properties() -> dict[str, Any]:
         "workers": {
             "type": "object",
             "description": "Worker groups keyed by group name; null or enabled: false leaves a group out.",
-            "additionalProperties": {**worker_group, "type": ["object", "null"]},
+            "additionalProperties": {**_worker_group(), "type": ["object", "null"]},
         },
-        "storage": _obj(
-            {
-                "mountPath": {"type": "string", "pattern": "^/"},
-                "create": BOOL,
-                "existingClaim": STR,
-                "storageClassName": STR,
-                "size": QTY,
-                "accessModes": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {"enum": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]},
-                },
-                "annotations": STRING_MAP,
-                "huggingfaceCache": BOOL,
-            }
-        ),
+        "storage": _storage(),
         "huggingface": _obj(
             {
                 "tokenSecret": _obj(
@@ -207,18 +234,7 @@ def kubernetes_properties() -> dict[str, Any]:
         "podSecurityContext": FREE_OBJECT,
         "securityContext": FREE_OBJECT,
         "progressReporting": _obj({"enabled": BOOL, "rbac": _obj({"create": BOOL})}),
-        "preemption": _obj(
-            {
-                "enabled": BOOL,
-                "gracePeriodSeconds": {
-                    "type": "integer",
-                    "minimum": 30,
-                    "maximum": 86400,
-                    "description": "The Ray pods' terminationGracePeriodSeconds: one optimizer step plus one "
-                    "checkpoint write, with a margin.",
-                },
-            }
-        ),
+        "preemption": _preemption(),
     }
 
 
