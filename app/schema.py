@@ -95,6 +95,7 @@ SCHEDULING = {
     "affinity": FREE_OBJECT,
     "priorityClassName": STR,
 }
+SECURITY = {"podSecurityContext": FREE_OBJECT, "securityContext": FREE_OBJECT}  # the pod's and its containers'
 
 
 def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +111,7 @@ def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
         "labels": STRING_MAP,
         "annotations": STRING_MAP,
         "image": IMAGE_OVERRIDE,
-        "podSecurityContext": FREE_OBJECT,
-        "securityContext": FREE_OBJECT,
+        **SECURITY,
         **extra,
     }
 
@@ -152,8 +152,7 @@ def _ray_job() -> dict[str, Any]:
                     "resources": RESOURCES,
                     "nodeSelector": STRING_MAP,
                     "tolerations": LIST_OF_OBJECTS,
-                    "podSecurityContext": FREE_OBJECT,
-                    "securityContext": FREE_OBJECT,
+                    **SECURITY,
                 }
             ),
         }
@@ -231,8 +230,7 @@ def kubernetes_properties() -> dict[str, Any]:
         ),
         "ncclEnv": {**SCALAR_MAP, "description": "NCCL_* variables (validate.yaml rejects other names)."},
         "env": ENV_LIST,
-        "podSecurityContext": FREE_OBJECT,
-        "securityContext": FREE_OBJECT,
+        **SECURITY,
         "progressReporting": _obj({"enabled": BOOL, "rbac": _obj({"create": BOOL})}),
         "preemption": _preemption(),
     }
