@@ -2,7 +2,7 @@
 
 Every constant of the Ray/DeepSpeed tutorial is a field here with the tutorial's value as its default, so
 an empty config reproduces the tutorial. The `deepspeed` section is a DeepSpeed config passed through as
-is; its "auto" values are filled by `app.ds_config`.
+is (typed in `app.ds_block`); its "auto" values are filled by `app.ds_config`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.ds_config import RULE, DeepSpeedConfig, tutorial_ds_config
+from app.ds_block import RULE, DeepSpeedConfig, tutorial_ds_config
 from app.errors import ConfigError, Problem
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -502,7 +502,7 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     loc = [str(p) for p in err["loc"]]
     field = ".".join(loc) or "CONFIG"
     value = err.get("input")
-    if err["type"] == RULE:  # a rule of app.ds_config: its own fix, maybe about a key below this location
+    if err["type"] == RULE:  # a rule of app.ds_block: its own fix, maybe about a key below this location
         ctx = err["ctx"]
         if ctx["field"]:
             field, value = f"{field}.{ctx['field']}", ctx["value"]

@@ -22,7 +22,7 @@ from typing import Any
 from app import data, ds_config, logs, preemption, preflight
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
-from app.model import check_seq_length, load_model_config, model_source
+from app.model import check_seq_length, load_model_config, model_facts, model_source
 
 log = logging.getLogger("finetune")
 DS_CONFIG_RECORD = "ds_config.json"
@@ -233,10 +233,10 @@ def check(
     if mc is None:
         facts = {}
     elif meanwhile is None:
-        facts = ds_config.model_facts(cfg, mc)
+        facts = model_facts(cfg, mc)
     else:
         with ThreadPoolExecutor(1, thread_name_prefix="model-facts") as pool:
-            counting = pool.submit(ds_config.model_facts, cfg, mc)
+            counting = pool.submit(model_facts, cfg, mc)
             meanwhile()
             facts = counting.result()
     return ds_config.build(cfg, **facts), note

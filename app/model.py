@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from app.config import ModelConfig, Problem, TrainConfig
+from app.config import ModelConfig, Problem, TrainConfig, TrainingConfig
 
 RANDOM_INIT = "random-init:"
 
@@ -64,6 +64,13 @@ def zero3_leaf_layers(model_config, trust_remote_code: bool = False) -> tuple[li
     }
     fit = {name: size for name, size in sizes.items() if 0 < size <= MAX_LEAF_PARAMS}
     return sorted(fit), max(fit.values(), default=0)
+
+
+def model_facts(cfg: TrainingConfig, model_config) -> dict[str, Any]:
+    """What `app.ds_config.build` needs from a transformers model config, as its keyword arguments."""
+    wanted = cfg.deepspeed.auto_leaf_classes
+    classes, params = zero3_leaf_layers(model_config, cfg.model.trust_remote_code) if wanted else ([], 0)
+    return {"hidden_size": hidden_size(model_config), "layer_classes": classes, "layer_params": params}
 
 
 def context_length(model_config) -> int | None:

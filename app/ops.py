@@ -458,39 +458,11 @@ def recreate_body(job: dict) -> dict:
 
 
 def cmd_resume(args) -> int:
-    from kubernetes import client
-
     s = Session(args.namespace)
-    jobs = s.rayjobs(args.experiment)
-    if not jobs:
-        raise s.not_found(args.experiment)
-    if len(jobs) > 1:
-        names = ", ".join(j["metadata"]["name"] for j in jobs)
-        raise OpsError(
-            f"{len(jobs)} RayJobs carry {kube.EXPERIMENT_LABEL}={args.experiment} in namespace {s.namespace} "
-            f"({names}); two runs of one experiment must not run at once: delete all but one, then resume",
-            EXIT_FAILED,
-        )
-    job = jobs[0]
-    info = summary(job)
-    name, state = info["name"], info["state"]
+    job = _the_one_rayjob(s, args.experiment)
+    name = job["metadata"]["name"]
     where = f"RayJob {s.namespace}/{name}"
-    if state in ACTIVE and not args.force:
-        raise OpsError(
-            f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}); "
-            "resuming would stop it. Wait for it to finish, or pass --force if it is stuck",
-            EXIT_FAILED,
-        )
-    progress = info["progress"] or {}
-    checkpoint = (
-        f"last published checkpoint {progress['last_checkpoint']} (step {progress.get('last_checkpoint_step')})"
-        if progress.get("last_checkpoint")
-        else "no checkpoint published on it"
-    )
-    print(
-        f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}, "
-        f"{info['failed'] or 0} failed attempts); {checkpoint}"
-    )
+    state = _stopped_state(job, where, args.force)
 
     body = recreate_body(job)
     saved = Path(tempfile.gettempdir()) / f"finetune-resume-{s.namespace}-{name}-{job['metadata']['uid'][:8]}.json"
@@ -498,44 +470,11 @@ def cmd_resume(args) -> int:
     print(f"saved its spec to {saved}")
 
     if state != "deleting":
-        meta = job["metadata"]
-        options = client.V1DeleteOptions(
-            propagation_policy="Foreground",
-            preconditions=client.V1Preconditions(uid=meta["uid"], resource_version=meta["resourceVersion"]),
-        )
-        s.call(
-            "delete rayjobs.ray.io",
-            s.custom.delete_namespaced_custom_object,
-            kube.GROUP,
-            kube.VERSION,
-            s.namespace,
-            kube.PLURAL,
-            name,
-            body=options,
-        )
+        _delete(s, job)
         print(f"deleting {where} and, first, its RayCluster (the checkpoint volume is not touched)...", flush=True)
     else:
         print(f"{where} is already being deleted; waiting for it to go...", flush=True)
-    t0 = time.monotonic()
-    while True:
-        live = s.get(name)
-        if live is None:
-            break
-        if live["metadata"]["uid"] != job["metadata"]["uid"]:
-            raise OpsError(
-                f"{where} was created again by someone else meanwhile (uid {live['metadata']['uid']}); "
-                "nothing more to do",
-                EXIT_FAILED,
-            )
-        if time.monotonic() - t0 > args.wait:
-            finalizers = ", ".join(live["metadata"].get("finalizers") or []) or "none"
-            raise OpsError(
-                f"{where} is still being deleted after {args.wait:g}s (finalizers: {finalizers}); check that "
-                f"the KubeRay operator runs, then create it with `kubectl create -f {saved}`",
-                EXIT_FAILED,
-            )
-        time.sleep(0.5)
-    print(f"deleted after {time.monotonic() - t0:.1f}s")
+    _wait_until_gone(s, job, where, args.wait, saved)
     try:
         created = s.call(
             "create rayjobs.ray.io",
@@ -563,3 +502,88 @@ def cmd_resume(args) -> int:
         f"{s.namespace} -f"
     )
     return EXIT_OK
+
+
+def _the_one_rayjob(s: Session, experiment: str) -> dict:
+    """The experiment's RayJob; an error when there is none or more than one."""
+    jobs = s.rayjobs(experiment)
+    if not jobs:
+        raise s.not_found(experiment)
+    if len(jobs) > 1:
+        names = ", ".join(j["metadata"]["name"] for j in jobs)
+        raise OpsError(
+            f"{len(jobs)} RayJobs carry {kube.EXPERIMENT_LABEL}={experiment} in namespace {s.namespace} "
+            f"({names}); two runs of one experiment must not run at once: delete all but one, then resume",
+            EXIT_FAILED,
+        )
+    return jobs[0]
+
+
+def _stopped_state(job: dict, where: str, force: bool) -> str:
+    """The job's state, printed with its last published checkpoint; an error while it still runs (unless
+    `force`)."""
+    info = summary(job)
+    state = info["state"]
+    if state in ACTIVE and not force:
+        raise OpsError(
+            f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}); "
+            "resuming would stop it. Wait for it to finish, or pass --force if it is stuck",
+            EXIT_FAILED,
+        )
+    progress = info["progress"] or {}
+    checkpoint = (
+        f"last published checkpoint {progress['last_checkpoint']} (step {progress.get('last_checkpoint_step')})"
+        if progress.get("last_checkpoint")
+        else "no checkpoint published on it"
+    )
+    print(
+        f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}, "
+        f"{info['failed'] or 0} failed attempts); {checkpoint}"
+    )
+    return state
+
+
+def _delete(s: Session, job: dict) -> None:
+    """Deletes this very object (its uid and version), its RayCluster first (foreground propagation)."""
+    from kubernetes import client
+
+    meta = job["metadata"]
+    options = client.V1DeleteOptions(
+        propagation_policy="Foreground",
+        preconditions=client.V1Preconditions(uid=meta["uid"], resource_version=meta["resourceVersion"]),
+    )
+    s.call(
+        "delete rayjobs.ray.io",
+        s.custom.delete_namespaced_custom_object,
+        kube.GROUP,
+        kube.VERSION,
+        s.namespace,
+        kube.PLURAL,
+        meta["name"],
+        body=options,
+    )
+
+
+def _wait_until_gone(s: Session, job: dict, where: str, wait: float, saved: Path) -> None:
+    """Waits up to `wait` seconds for the job to be deleted; an error when someone created it again meanwhile."""
+    name, uid = job["metadata"]["name"], job["metadata"]["uid"]
+    t0 = time.monotonic()
+    while True:
+        live = s.get(name)
+        if live is None:
+            break
+        if live["metadata"]["uid"] != uid:
+            raise OpsError(
+                f"{where} was created again by someone else meanwhile (uid {live['metadata']['uid']}); "
+                "nothing more to do",
+                EXIT_FAILED,
+            )
+        if time.monotonic() - t0 > wait:
+            finalizers = ", ".join(live["metadata"].get("finalizers") or []) or "none"
+            raise OpsError(
+                f"{where} is still being deleted after {wait:g}s (finalizers: {finalizers}); check that "
+                f"the KubeRay operator runs, then create it with `kubectl create -f {saved}`",
+                EXIT_FAILED,
+            )
+        time.sleep(0.5)
+    print(f"deleted after {time.monotonic() - t0:.1f}s")

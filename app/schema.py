@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app import ds_config
+from app import ds_block, ds_config
 from app.config import DNS1035, MAX_EXPERIMENT_NAME, TrainingConfig
 
 CHART_SCHEMA = Path(__file__).resolve().parents[1] / "helm" / "ray-finetune" / "values.schema.json"
@@ -37,9 +37,9 @@ def training_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     # ExperimentConfig checks this in a validator; the schema states it so helm rejects it too.
     name["pattern"] = DNS1035.pattern
     name["maxLength"] = MAX_EXPERIMENT_NAME
-    # The rules that span fields (app.ds_config's, DataConfig's), written as JSON schema conditions.
+    # The rules that span fields (app.ds_config's, app.ds_block's, DataConfig's), written as JSON schema conditions.
     schema["allOf"] = ds_config.schema_rules(TrainingConfig.model_fields["train"].default.precision)
-    defs["ZeroOptimization"]["allOf"] = ds_config.zero_schema_rules()
+    defs["ZeroOptimization"]["allOf"] = ds_block.zero_schema_rules()
     schema["description"] = (
         "The app's training config file (see `finetune validate`); generated from "
         "app.config.TrainingConfig by `make schema`."
@@ -95,6 +95,7 @@ SCHEDULING = {
     "affinity": FREE_OBJECT,
     "priorityClassName": STR,
 }
+SECURITY = {"podSecurityContext": FREE_OBJECT, "securityContext": FREE_OBJECT}  # the pod's and its containers'
 
 
 def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
@@ -110,14 +111,13 @@ def _pod_group(extra: dict[str, Any]) -> dict[str, Any]:
         "labels": STRING_MAP,
         "annotations": STRING_MAP,
         "image": IMAGE_OVERRIDE,
-        "podSecurityContext": FREE_OBJECT,
-        "securityContext": FREE_OBJECT,
+        **SECURITY,
         **extra,
     }
 
 
-def kubernetes_properties() -> dict[str, Any]:
-    worker_group = _obj(
+def _worker_group() -> dict[str, Any]:
+    return _obj(
         _pod_group(
             {
                 "enabled": BOOL,
@@ -131,6 +131,70 @@ def kubernetes_properties() -> dict[str, Any]:
         ),
         "One worker group.",
     )
+
+
+def _ray_job() -> dict[str, Any]:
+    return _obj(
+        {
+            "clusterMode": {"enum": ["ephemeral", "persistent"]},
+            "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode"]},
+            "shutdownAfterJobFinishes": BOOL,
+            "ttlSecondsAfterFinished": _int(0),
+            "backoffLimit": _int(0),
+            "activeDeadlineSeconds": _int(0),
+            "suspend": BOOL,
+            "queueName": STR,
+            "labels": STRING_MAP,
+            "annotations": STRING_MAP,
+            "submitter": _obj(
+                {
+                    "backoffLimit": _int(0),
+                    "resources": RESOURCES,
+                    "nodeSelector": STRING_MAP,
+                    "tolerations": LIST_OF_OBJECTS,
+                    **SECURITY,
+                }
+            ),
+        }
+    )
+
+
+def _storage() -> dict[str, Any]:
+    return _obj(
+        {
+            "mountPath": {"type": "string", "pattern": "^/"},
+            "create": BOOL,
+            "existingClaim": STR,
+            "storageClassName": STR,
+            "size": QTY,
+            "accessModes": {
+                "type": "array",
+                "minItems": 1,
+                "items": {"enum": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]},
+            },
+            "annotations": STRING_MAP,
+            "huggingfaceCache": BOOL,
+        }
+    )
+
+
+def _preemption() -> dict[str, Any]:
+    return _obj(
+        {
+            "enabled": BOOL,
+            "gracePeriodSeconds": {
+                "type": "integer",
+                "minimum": 30,
+                "maximum": 86400,
+                "description": "The Ray pods' terminationGracePeriodSeconds: one optimizer step plus one "
+                "checkpoint write, with a margin.",
+            },
+        }
+    )
+
+
+def kubernetes_properties() -> dict[str, Any]:
+    """The chart's values besides `training`: what only Kubernetes knows."""
     return {
         "image": _obj(
             {
@@ -143,30 +207,7 @@ def kubernetes_properties() -> dict[str, Any]:
         "imagePullSecrets": {"type": "array", "items": _obj({"name": STR}, required=["name"])},
         "rayVersion": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+"},
         "commonLabels": STRING_MAP,
-        "rayJob": _obj(
-            {
-                "clusterMode": {"enum": ["ephemeral", "persistent"]},
-                "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "SidecarMode"]},
-                "shutdownAfterJobFinishes": BOOL,
-                "ttlSecondsAfterFinished": _int(0),
-                "backoffLimit": _int(0),
-                "activeDeadlineSeconds": _int(0),
-                "suspend": BOOL,
-                "queueName": STR,
-                "labels": STRING_MAP,
-                "annotations": STRING_MAP,
-                "submitter": _obj(
-                    {
-                        "backoffLimit": _int(0),
-                        "resources": RESOURCES,
-                        "nodeSelector": STRING_MAP,
-                        "tolerations": LIST_OF_OBJECTS,
-                        "podSecurityContext": FREE_OBJECT,
-                        "securityContext": FREE_OBJECT,
-                    }
-                ),
-            }
-        ),
+        "rayJob": _ray_job(),
         "auth": _obj({"mode": {"enum": ["token", "disabled"]}, "secretName": STR, "allowDisabled": BOOL}),
         "networkPolicy": _obj(
             {"enabled": BOOL, "operatorNamespace": STR, "extraIngress": LIST_OF_OBJECTS, "egress": LIST_OF_OBJECTS}
@@ -176,24 +217,9 @@ def kubernetes_properties() -> dict[str, Any]:
         "workers": {
             "type": "object",
             "description": "Worker groups keyed by group name; null or enabled: false leaves a group out.",
-            "additionalProperties": {**worker_group, "type": ["object", "null"]},
+            "additionalProperties": {**_worker_group(), "type": ["object", "null"]},
         },
-        "storage": _obj(
-            {
-                "mountPath": {"type": "string", "pattern": "^/"},
-                "create": BOOL,
-                "existingClaim": STR,
-                "storageClassName": STR,
-                "size": QTY,
-                "accessModes": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {"enum": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany", "ReadWriteOncePod"]},
-                },
-                "annotations": STRING_MAP,
-                "huggingfaceCache": BOOL,
-            }
-        ),
+        "storage": _storage(),
         "huggingface": _obj(
             {
                 "tokenSecret": _obj(
@@ -204,21 +230,9 @@ def kubernetes_properties() -> dict[str, Any]:
         ),
         "ncclEnv": {**SCALAR_MAP, "description": "NCCL_* variables (validate.yaml rejects other names)."},
         "env": ENV_LIST,
-        "podSecurityContext": FREE_OBJECT,
-        "securityContext": FREE_OBJECT,
+        **SECURITY,
         "progressReporting": _obj({"enabled": BOOL, "rbac": _obj({"create": BOOL})}),
-        "preemption": _obj(
-            {
-                "enabled": BOOL,
-                "gracePeriodSeconds": {
-                    "type": "integer",
-                    "minimum": 30,
-                    "maximum": 86400,
-                    "description": "The Ray pods' terminationGracePeriodSeconds: one optimizer step plus one "
-                    "checkpoint write, with a margin.",
-                },
-            }
-        ),
+        "preemption": _preemption(),
     }
 
 

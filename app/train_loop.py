@@ -1,18 +1,21 @@
 """The per-worker training loop: the tutorial's `train_loop`, with the machinery in the modules it calls.
 
-Read `train_loop` top to bottom: data, model and engine, resume, then epochs of `train_step` (one optimizer step,
-which owns gradient accumulation), progress, evaluation and the save policy (`SavePolicy`, the one place that
-decides when a checkpoint is written and when the run stops).
+Read `train_loop` top to bottom: data (`Batches`, a loader that starts at any batch), model and engine, resume,
+then epochs of `train_step` (one optimizer step, which owns gradient accumulation), progress (`Window`),
+evaluation (`Evaluator`) and checkpoints (`CheckpointManager`: the save policy, `SavePolicy`, the one place that
+decides when a checkpoint is written and when the run stops; the saves, in the background; their reports to Ray).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,58 +33,24 @@ log = logging.getLogger("finetune")
 
 def train_loop(loop_config: dict[str, Any]) -> None:
     marks = {**loop_config.get("startup", {}), "worker": time.time()}  # wall-clock start-up marks, in order
-    import deepspeed
     import ray.train
-    from ray.train.torch import prepare_data_loader
 
     cfg = TrainingConfig.model_validate(loop_config["config"])
-    ds_config = loop_config["ds_config"]
+    ds_config, lease_token = loop_config["ds_config"], loop_config.get("lease_token")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     run_dir, t = cfg.experiment_dir, cfg.train
-    logs.setup_worker(rank)
-    opbuild.prepare(not cfg.scaling.use_gpu, cfg.deepspeed.optimizer_offloaded, announce=rank == 0)
-    seed_everything(t.seed + rank)
-    deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the process group Ray created
+    start_worker(cfg, rank)
     marks["imports"] = time.time()
 
     # Data: tokenized once into the shared cache, then a loader that can start mid-epoch.
     tokenizer = load_tokenizer(cfg.model)
-    faults.maybe_raise("data", rank)  # test-only: off unless FINETUNE_FAULT_RAISE
-    train_set, eval_set = data.prepare(
-        cfg.data,
-        tokenizer,
-        cfg.model.tokenizer or cfg.model.name_or_path,
-        run_dir / "cache",
-        t.seed,
-        rank,
-        barrier=dist.barrier,
-    )
-    collate = data.collator(cfg.data, tokenizer)
-    train_loader = data.make_loader(
-        train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate
-    )
-    sampler = train_loader.sampler
-    train_loader = prepare_data_loader(train_loader, add_dist_sampler=False)
-    policy = SavePolicy.of(cfg, len(train_set), world)
+    batches = Batches.prepare(cfg, tokenizer, rank, world)
+    policy = SavePolicy.of(cfg, batches.sequences, world)
 
     # Model and DeepSpeed engine.
     marks["data"] = time.time()
-    started = time.perf_counter()
-    model = load_model(cfg.model, ds_config, separate_documents=collate is not None)
-    marks["model"] = time.time()
-    optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, cfg.deepspeed.optimizer_offloaded)
-    # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        config=ds_config,
-        lr_scheduler=lambda opt: build_scheduler(opt, t, policy.total_steps),
-    )
-    if cfg.model.compile:
-        engine.compile()  # compiles lazily, at the first forward pass
-    log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
-    marks["engine"] = time.time()
+    model, engine = build_engine(cfg, ds_config, policy.total_steps, batches.collate is not None, marks)
 
     # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
     # the newest older complete one), at the exact batch.
@@ -89,64 +58,17 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     step = position["global_step"]
     if step == 0:
         log.info(f"starting {cfg.experiment.name} from scratch: {policy.total_steps} steps")
-    metrics = (
-        MetricsLogger(
-            run_dir, policy.total_steps, step, _flops_per_token(model, cfg), world, position.get("resumed_from")
-        )
-        if rank == 0
-        else None
-    )
-    if metrics:
-        metrics.startup(marks)
+    metrics = start_metrics(model, cfg, policy.total_steps, position, world, marks) if rank == 0 else None
     window = Window(engine.device)
+    evaluator = Evaluator(engine, batches, cfg, world, rank, metrics)
     guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate)
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
-    lease_token = loop_config.get("lease_token")
     preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
-    saves = []  # seconds each save of this attempt took, from its start until it was complete
+    hf_files = functools.partial(save_hf_files, model, tokenizer)
     saver = checkpoint.Saver(
-        engine,
-        rank,
-        world,
-        dist.barrier,
-        lambda p: (model.config.save_pretrained(p), tokenizer.save_pretrained(p)),
-        lease_token,
-        background=cfg.checkpoint.async_save,
-        group=preempt.group,
+        engine, rank, world, dist.barrier, hf_files, lease_token, cfg.checkpoint.async_save, preempt.group
     )
-
-    def save(step: int, epoch: int, step_in_epoch: int, extra: dict[str, Any], wait: bool) -> None:
-        state = {
-            "epoch": epoch,
-            "step_in_epoch": step_in_epoch,
-            "global_step": step,
-            "world_size": world,
-            "micro_batch_size": t.micro_batch_size,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps,
-            "precision": t.precision,
-            "experiment": cfg.experiment.name,
-        }
-        report(saver.save(checkpoint.checkpoint_dir(run_dir, step), state, extra, wait=wait))
-
-    def report(completed: list[checkpoint.Saved]) -> None:
-        """Every rank: register checkpoints that have just become complete with Ray (it does once all ranks have)."""
-        for done in completed:
-            saves.append(round(done.total_s, 2))
-            if rank == 0 and len(saves) == 1 and (note := preemption.grace_note(saves[0])):
-                (log.info if note[0] else log.warning)(note[1] if note[0] else f"WARNING: {note[1]}")
-            ray.train.report(
-                {
-                    **done.extra,
-                    **done.state,
-                    "checkpoint": str(done.path),
-                    "save_s": saves[-1],
-                    "save_stall_s": round(done.stall_s, 2),
-                },
-                checkpoint=ray.train.Checkpoint.from_directory(str(done.path)),
-                checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
-            )
-            if metrics:
-                metrics.checkpoint(done.path, done.state["global_step"], done.stall_s, done.total_s, done.background)
+    checkpoints = CheckpointManager(saver, policy, cfg, rank, world, metrics)
 
     engine.train()
     last: dict[str, Any] = {}
@@ -155,57 +77,106 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         if step >= policy.total_steps:
             break
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
-        sampler.set_position(epoch, first * t.gradient_accumulation_steps * t.micro_batch_size)
-        steps = optimizer_steps(window.clock.timed(train_loader), t.gradient_accumulation_steps)
-        for step_in_epoch, micro_batches in enumerate(
-            itertools.islice(steps, policy.steps_per_epoch - first), first + 1
-        ):
+        for step_in_epoch, micro_batches in batches.epoch(epoch, first, policy.steps_per_epoch, window.clock):
             loss, tokens = train_step(engine, micro_batches, step + 1)
             step += 1
-            saver.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
+            checkpoints.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
             try:
                 guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
             except NonFiniteError:
-                report(saver.drain())  # all ranks raised: a save of the last healthy step being written completes
+                checkpoints.drain()  # all ranks raised: a save of the last healthy step being written completes
                 raise
             window.add(loss, tokens)
             if step % t.log_every_steps == 0 or step == policy.total_steps:
                 last = {"loss": window.report(engine, step, epoch, t, world, metrics)}
-            if t.eval_every_steps and step % t.eval_every_steps == 0 and eval_set is not None:
-                last["eval_loss"] = evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
-            # Every rank: asked to stop (a SIGTERM, the notice file)? Then all of them save this step and stop. The
-            # same exchange completes a background save once every rank's write is on disk.
-            asked, writes = preempt.agreed(saver.status())
-            preempted = asked and step < policy.total_steps
-            report(saver.settle(writes))
-            # Never save weights a NaN step touched. The last save and a preemption's wait until it is complete.
-            if guard.healthy and (policy.due(step, step_in_epoch) or preempted):
-                final = preempted or policy.stop(step)
-                save(step, *policy.position(epoch, step_in_epoch), {**last, "preempted": preempted}, wait=final)
+            if evaluator.due(step):
+                last["eval_loss"] = evaluator.run(step)
+            # Asked to stop (a SIGTERM, the notice file) on any rank? Then every rank saves this step and stops.
+            preempted = checkpoints.exchange(preempt) and step < policy.total_steps
+            if guard.healthy:  # never save weights a NaN step touched
+                checkpoints.maybe_save(step, epoch, step_in_epoch, last, preempted)
             step_ended(step)
             if preempted or policy.stop(step):
                 break
         if preempted or policy.stop(step):
             break  # the last step, train.stop_after_steps (a drill's preemption) or a preemption: no further epoch
 
-    report(saver.drain())  # a save still in flight (its step's successors were not healthy) completes
+    checkpoints.drain()  # a save still in flight (its step's successors were not healthy) completes
     finished = step >= policy.total_steps
-    evaluated_last = t.eval_every_steps and step % t.eval_every_steps == 0
-    if finished and eval_set is not None and not evaluated_last:
-        evaluate(engine, eval_set, cfg, world, rank, metrics, step, collate)
+    if finished and batches.eval_set is not None and not evaluator.due(step):
+        evaluator.run(step)
     if metrics:
         metrics.close()
-    if finished and rank == 0 and cfg.checkpoint.export_final:
-        final = checkpoint.export(checkpoint.checkpoint_dir(run_dir, step), run_dir / "final", t.precision)
+    if rank == 0:
+        conclude(cfg, step, policy.total_steps, preempted, guard.healthy, checkpoints.saves)
+
+
+def start_worker(cfg: TrainingConfig, rank: int) -> None:
+    """This worker's logging, DeepSpeed's ops, the seeds, and DeepSpeed on the process group Ray created."""
+    import deepspeed
+
+    logs.setup_worker(rank)
+    opbuild.prepare(not cfg.scaling.use_gpu, cfg.deepspeed.optimizer_offloaded, announce=rank == 0)
+    seed_everything(cfg.train.seed + rank)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the process group Ray created
+
+
+def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: int, packed: bool, marks: dict):
+    """(the model, the DeepSpeed engine over it), with the app's AdamW and schedule unless the block names its
+    own; `marks` gets the times the model and the engine were ready."""
+    import deepspeed
+
+    started = time.perf_counter()
+    model = load_model(cfg.model, ds_config, separate_documents=packed)
+    marks["model"] = time.time()
+    t = cfg.train
+    optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, cfg.deepspeed.optimizer_offloaded)
+    # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        config=ds_config,
+        lr_scheduler=lambda opt: build_scheduler(opt, t, total_steps),
+    )
+    if cfg.model.compile:
+        engine.compile()  # compiles lazily, at the first forward pass
+    log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
+    marks["engine"] = time.time()
+    return model, engine
+
+
+def save_hf_files(model, tokenizer, folder: Path) -> None:
+    """What a checkpoint holds for Hugging Face besides the weights: the model's config and the tokenizer."""
+    model.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def start_metrics(model, cfg: TrainingConfig, total_steps: int, position: dict[str, Any], world: int, marks: dict):
+    """Rank 0's metrics logger, the start-up marks written first."""
+    flops = _flops_per_token(model, cfg)
+    metrics = MetricsLogger(
+        cfg.experiment_dir, total_steps, position["global_step"], flops, world, position.get("resumed_from")
+    )
+    metrics.startup(marks)
+    return metrics
+
+
+def conclude(cfg: TrainingConfig, step: int, total_steps: int, preempted: bool, healthy: bool, saves: list[float]):
+    """Rank 0, once the loop is over: the exported model of a finished run, or why it stopped and how to resume."""
+    finished = step >= total_steps
+    if finished and cfg.checkpoint.export_final:
+        final = checkpoint.export(
+            checkpoint.checkpoint_dir(cfg.experiment_dir, step), cfg.experiment_dir / "final", cfg.train.precision
+        )
         log.info(f"exported Hugging Face model to {final}")
-    elif preempted and rank == 0:
-        written = "no checkpoint (non-finite step)"
-        if guard.healthy:
-            written = f"checkpoint written in {preemption.seconds(saves[-1])}"
+    elif preempted:
+        written = (
+            f"checkpoint written in {preemption.seconds(saves[-1])}" if healthy else "no checkpoint (non-finite step)"
+        )
         log.warning(f"preempted at step {step}, {written}; deploy again as {cfg.experiment.name} to resume")
-    elif not finished and rank == 0:
-        log.info(f"stopped at step {step} of {policy.total_steps}; deploy again as {cfg.experiment.name} to resume")
+    elif not finished:
+        log.info(f"stopped at step {step} of {total_steps}; deploy again as {cfg.experiment.name} to resume")
 
 
 def optimizer_steps(batches: Iterable[dict[str, Any]], accumulation: int) -> Iterator[list[dict[str, Any]]]:
@@ -264,6 +235,125 @@ class SavePolicy:
         return (epoch + 1, 0) if step_in_epoch >= self.steps_per_epoch else (epoch, step_in_epoch)
 
 
+@dataclass(frozen=True)
+class Batches:
+    """This rank's data: the training loader, which can start at any micro-batch of any epoch, the eval split
+    (None without one) and the collate function (None: padded batches; else packed documents kept apart)."""
+
+    loader: Any
+    sampler: Any
+    eval_set: Any
+    collate: Any
+    sequences: int
+    micro_batch_size: int
+    accumulation: int
+
+    @classmethod
+    def prepare(cls, cfg: TrainingConfig, tokenizer, rank: int, world: int) -> Batches:
+        """Tokenized once into the shared cache (rank 0 writes it, the others wait at the barrier)."""
+        from ray.train.torch import prepare_data_loader
+
+        t = cfg.train
+        faults.maybe_raise("data", rank)  # test-only: off unless FINETUNE_FAULT_RAISE
+        train_set, eval_set = data.prepare(
+            cfg.data,
+            tokenizer,
+            cfg.model.tokenizer or cfg.model.name_or_path,
+            cfg.experiment_dir / "cache",
+            t.seed,
+            rank,
+            barrier=dist.barrier,
+        )
+        collate = data.collator(cfg.data, tokenizer)
+        loader = data.make_loader(
+            train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate
+        )
+        sampler = loader.sampler
+        loader = prepare_data_loader(loader, add_dist_sampler=False)
+        return cls(
+            loader, sampler, eval_set, collate, len(train_set), t.micro_batch_size, t.gradient_accumulation_steps
+        )
+
+    def epoch(
+        self, epoch: int, first: int, steps_per_epoch: int, clock: data.LoaderClock
+    ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+        """(step in the epoch, its micro-batches) for the optimizer steps after the epoch's `first`, up to
+        `steps_per_epoch`; the loader starts at the next step's first micro-batch, the same order as a run that
+        never stopped."""
+        self.sampler.set_position(epoch, first * self.accumulation * self.micro_batch_size)
+        steps = optimizer_steps(clock.timed(self.loader), self.accumulation)
+        return enumerate(itertools.islice(steps, steps_per_epoch - first), first + 1)
+
+
+class CheckpointManager:
+    """Every rank: when to save (`SavePolicy`), the save (`checkpoint.Saver`: in the background unless
+    checkpoint.async_save is false) and the report to Ray of each checkpoint once it is complete on every rank."""
+
+    def __init__(
+        self, saver: checkpoint.Saver, policy: SavePolicy, cfg: TrainingConfig, rank: int, world: int, metrics
+    ):
+        self.saver, self.policy, self.rank, self.metrics = saver, policy, rank, metrics
+        self.run_dir = cfg.experiment_dir
+        t = cfg.train
+        self.run = {  # what each checkpoint's state records besides its position
+            "world_size": world,
+            "micro_batch_size": t.micro_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps,
+            "precision": t.precision,
+            "experiment": cfg.experiment.name,
+        }
+        self.saves: list[float] = []  # seconds each save of this attempt took, from its start until it was complete
+
+    def prepare(self) -> None:
+        self.saver.prepare()
+
+    def exchange(self, preempt: preemption.RankWatch) -> bool:
+        """A collective after every step: whether any rank was asked to stop; reports a background save that
+        every rank has now written."""
+        asked, writes = preempt.agreed(self.saver.status())
+        self._report(self.saver.settle(writes))
+        return asked
+
+    def maybe_save(self, step: int, epoch: int, step_in_epoch: int, last: dict[str, Any], preempted: bool) -> None:
+        """Saves this step when the policy says so or the run is preempted. The last save and a preemption's wait
+        until the checkpoint is complete; the others go on in the background."""
+        if not (self.policy.due(step, step_in_epoch) or preempted):
+            return
+        wait = preempted or self.policy.stop(step)
+        resume_epoch, resume_step = self.policy.position(epoch, step_in_epoch)
+        state = {"epoch": resume_epoch, "step_in_epoch": resume_step, "global_step": step, **self.run}
+        path = checkpoint.checkpoint_dir(self.run_dir, step)
+        self._report(self.saver.save(path, state, {**last, "preempted": preempted}, wait=wait))
+
+    def drain(self) -> None:
+        """Waits for the save in flight, and reports it."""
+        self._report(self.saver.drain())
+
+    def _report(self, completed: list[checkpoint.Saved]) -> None:
+        """Every rank: register checkpoints that have just become complete with Ray (it does once all ranks have)."""
+        import ray.train
+
+        for done in completed:
+            self.saves.append(round(done.total_s, 2))
+            if self.rank == 0 and len(self.saves) == 1 and (note := preemption.grace_note(self.saves[0])):
+                (log.info if note[0] else log.warning)(note[1] if note[0] else f"WARNING: {note[1]}")
+            ray.train.report(
+                {
+                    **done.extra,
+                    **done.state,
+                    "checkpoint": str(done.path),
+                    "save_s": self.saves[-1],
+                    "save_stall_s": round(done.stall_s, 2),
+                },
+                checkpoint=ray.train.Checkpoint.from_directory(str(done.path)),
+                checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+            )
+            if self.metrics:
+                self.metrics.checkpoint(
+                    done.path, done.state["global_step"], done.stall_s, done.total_s, done.background
+                )
+
+
 class Window:
     """Loss, tokens and time since the last progress line (kept on the device: one sync per line)."""
 
@@ -300,24 +390,41 @@ class Window:
         return loss
 
 
-def evaluate(engine, eval_set, cfg: TrainingConfig, world: int, rank: int, metrics, step: int, collate=None) -> float:
-    """Token-weighted mean loss over the eval split, on all ranks."""
-    loader = data.make_loader(eval_set, cfg.train.micro_batch_size, world, rank, False, 0, 0, collate)
-    engine.eval()
-    totals = torch.zeros(2, device=engine.device)
-    with torch.no_grad():
-        for i, batch in enumerate(loader):
-            if cfg.train.eval_max_batches and i >= cfg.train.eval_max_batches:
-                break
-            batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            n = (batch["labels"][:, 1:] != -100).sum()
-            totals += torch.stack([engine(**batch).loss.float() * n, n.float()])
-    engine.train()
-    dist.all_reduce(totals)
-    loss = (totals[0] / totals[1].clamp(min=1)).item()
-    if metrics:
-        metrics.eval(step, loss)
-    return loss
+@dataclass(frozen=True)
+class Evaluator:
+    """The token-weighted mean loss over the eval split, on all ranks, every train.eval_every_steps."""
+
+    engine: Any
+    batches: Batches
+    cfg: TrainingConfig
+    world: int
+    rank: int
+    metrics: MetricsLogger | None
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.train.eval_every_steps
+        return bool(every and step % every == 0 and self.batches.eval_set is not None)
+
+    def run(self, step: int) -> float:
+        engine, t = self.engine, self.cfg.train
+        loader = data.make_loader(
+            self.batches.eval_set, t.micro_batch_size, self.world, self.rank, False, 0, 0, self.batches.collate
+        )
+        engine.eval()
+        totals = torch.zeros(2, device=engine.device)
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                if t.eval_max_batches and i >= t.eval_max_batches:
+                    break
+                batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                n = (batch["labels"][:, 1:] != -100).sum()
+                totals += torch.stack([engine(**batch).loss.float() * n, n.float()])
+        engine.train()
+        dist.all_reduce(totals)
+        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        if self.metrics:
+            self.metrics.eval(step, loss)
+        return loss
 
 
 def _flops_per_token(model, cfg: TrainingConfig) -> float:

@@ -36,7 +36,7 @@ def main() -> None:
 
     from app import config as config_mod
     from app import data, ds_config, metrics
-    from app.model import hidden_size, load_model, load_model_config, load_tokenizer
+    from app.model import hidden_size, load_model, load_model_config, load_tokenizer, model_facts
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
     # The process group first (as Trainer's own DeepSpeed setup would), so every rank sees the world size.
@@ -45,7 +45,7 @@ def main() -> None:
     t = cfg.train
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     mc = load_model_config(cfg.model)
-    ds = ds_config.build(cfg, world_size=world, **ds_config.model_facts(cfg, mc))
+    ds = ds_config.build(cfg, world_size=world, **model_facts(cfg, mc))
     total = args.warmup + args.steps
     out_dir = Path(tempfile.mkdtemp(prefix="hf-trainer-"))
     targs = TrainingArguments(

@@ -302,7 +302,7 @@ def test_leaf_module_auto_rule(sets, expected, tiny_model, storage, capsys):
 def test_leaf_classes_from_the_model_shape():
     from transformers import LlamaConfig, MixtralConfig
 
-    from app.model import zero3_leaf_layers
+    from app.model import model_facts, zero3_leaf_layers
 
     llama = LlamaConfig(
         hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=1000
@@ -314,16 +314,13 @@ def test_leaf_classes_from_the_model_shape():
     # The prefetch bucket holds about two whole layers, so the next ones are fetched while this one computes;
     # a gradient reduction, about four.
     cfg = parse({})
-    ds = ds_config.build(cfg, **ds_config.model_facts(cfg, llama))
+    ds = ds_config.build(cfg, **model_facts(cfg, llama))
     assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == int(2.25 * per_layer) > int(0.9 * 256 * 256)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 2 * int(2.25 * per_layer)
     assert ds["zero_optimization"]["leaf_module"] == {"classes": ["LlamaDecoderLayer"]}
     # Set by hand, the bucket is the user's.
     cfg = parse({"deepspeed": {"zero_optimization": {"stage3_prefetch_bucket_size": 1000}}})
-    assert (
-        ds_config.build(cfg, **ds_config.model_facts(cfg, llama))["zero_optimization"]["stage3_prefetch_bucket_size"]
-        == 1000
-    )
+    assert ds_config.build(cfg, **model_facts(cfg, llama))["zero_optimization"]["stage3_prefetch_bucket_size"] == 1000
 
 
 def test_a_folder_too_big_to_be_a_dataset_is_refused_without_walking_it_all(
