@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 import secrets
 import typing
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -235,6 +237,41 @@ class ScalingConfig(Section):
     )
 
 
+MLFLOW_SCHEMES = ("http", "https", "file", "databricks")
+
+
+class MlflowConfig(Section):
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking server, e.g. http://mlflow.mlops:5000: rank 0 logs params, metrics and "
+        "checkpoints to one run per experiment (kept across resumes). null: the MLFLOW_TRACKING_URI environment "
+        'variable where it is set, else off; "" turns it off. Credentials come from MLflow\'s own variables '
+        "(MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD), never from here.",
+    )
+    experiment: str | None = Field(
+        None, max_length=500, description="MLflow experiment to log into; default: experiment.name."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_uri(cls, v: str | None) -> str | None:
+        if not v:
+            return v
+        parts = urllib.parse.urlsplit(v)
+        if parts.scheme not in MLFLOW_SCHEMES:
+            raise ValueError(f"must be a tracking server URI ({', '.join(s + ':' for s in MLFLOW_SCHEMES)})")
+        if parts.username or parts.password:
+            raise ValueError(
+                "must not carry credentials: set MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or "
+                "MLFLOW_TRACKING_TOKEN in the environment (chart: tracking.mlflow.credentialsSecret)"
+            )
+        return v
+
+
+class TrackingConfig(Section):
+    mlflow: MlflowConfig = MlflowConfig()
+
+
 class TrainingConfig(Section):
     """The whole training config file."""
 
@@ -244,6 +281,7 @@ class TrainingConfig(Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     scaling: ScalingConfig = ScalingConfig()
+    tracking: TrackingConfig = TrackingConfig()
     deepspeed: DeepSpeedConfig = Field(
         default_factory=lambda: DeepSpeedConfig.model_validate(tutorial_ds_config()),
         description='A DeepSpeed config passed through as is; "auto" values are filled from the other sections.',
@@ -546,6 +584,11 @@ def resolve(cfg: TrainingConfig) -> TrainingConfig:
     """Fill what the config leaves open; the generated experiment name is the key to resume."""
     if cfg.experiment.name is None:
         cfg.experiment.name = f"{NAME_PREFIX}-{secrets.token_hex(4)}"
+    mlflow = cfg.tracking.mlflow
+    if mlflow.uri is None:
+        mlflow.uri = os.environ.get("MLFLOW_TRACKING_URI") or ""  # "" (off) from here on: resolved once
+    if mlflow.experiment is None:
+        mlflow.experiment = cfg.experiment.name
     return cfg
 
 
