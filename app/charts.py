@@ -73,26 +73,26 @@ def downsample(points: Points, n: int) -> Points:
 
 
 def terminal_curve(points: Points, width: int = 60, height: int = 6) -> list[str]:
-    """A loss curve in `height` lines of block characters, `width` columns of steps (each the mean of its
-    steps), with the loss range on the left and the steps below."""
+    """A loss curve in `height` lines of block characters over `width` columns of steps (each the mean of its
+    steps; a column with none repeats the one before), the loss range on the left, the steps below."""
     points = [(s, v) for s, v in points if math.isfinite(v)]
     if len(points) < 2:
         return []
     first, last = points[0][0], points[-1][0]
-    columns: list[list[float]] = [[] for _ in range(min(width, len(points)))]
+    columns: list[list[float]] = [[] for _ in range(width)]
     for step, value in points:
-        columns[min(len(columns) - 1, (step - first) * len(columns) // max(last - first, 1))].append(value)
-    means = [sum(c) / len(c) if c else math.nan for c in columns]
-    known = [m for m in means if not math.isnan(m)]
-    low, high = min(known), max(known)
-    levels = [0 if math.isnan(m) else 1 + round((m - low) / ((high - low) or 1) * (height * 8 - 1)) for m in means]
+        columns[min(width - 1, (step - first) * width // max(last - first, 1))].append(value)
+    means: list[float] = []
+    for column in columns:
+        means.append(sum(column) / len(column) if column else means[-1])
+    low, high = min(means), max(means)
+    levels = [1 + round((m - low) / ((high - low) or 1) * (height * 8 - 1)) for m in means]
     label_width = max(len(f"{high:.3f}"), len(f"{low:.3f}"))
     lines = []
     for row in range(height - 1, -1, -1):
         cells = "".join(BLOCKS[max(0, min(8, level - row * 8))] for level in levels)
         label = f"{high:.3f}" if row == height - 1 else f"{low:.3f}" if row == 0 else ""
         lines.append(f"{label:>{label_width}} │{cells}")
-    axis = f"step {first}".ljust(len(columns) - len(str(last))) + str(last)
-    lines.append(" " * label_width + " └" + "─" * len(columns))
-    lines.append(" " * (label_width + 2) + axis)
+    lines.append(" " * label_width + " └" + "─" * width)
+    lines.append(" " * (label_width + 2) + str(first).ljust(width - len(str(last))) + f"{last} step")
     return lines
