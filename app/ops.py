@@ -62,9 +62,9 @@ def register(sub) -> None:
         help="show an experiment's RayJob state and live training progress",
         description="Show the experiment's RayJob(s): job and deployment status, RayCluster, retry "
         "counts, start/end, and the latest progress record the training publishes on the "
-        "RayJob (step, loss, tokens/s, ETA, last checkpoint, a loss curve). Given a folder path instead, "
-        "the same from a local experiment folder's files. Exit 0 when running, pending "
-        "or succeeded, 1 when failed, 2 when no RayJob is found, 3 when the API cannot be asked.",
+        "RayJob (step, loss and its curve, tokens/s, ETA, the latest checkpoint). Exit 0 when running, pending "
+        "or succeeded, 1 when failed, 2 when no RayJob is found, 3 when the API cannot be asked. Given a "
+        "folder path instead, the same from a local experiment folder's files (exit 0, 2 when it is not one).",
         epilog=epilog,
     )
     common(p)
