@@ -190,6 +190,7 @@ class MlflowSender:
         self.dropped = 0
         self.healthy = True  # the last call went through: close() then waits for the rest
         self.deadline: float | None = None  # set by close(): past it, what is left is abandoned
+        self.stopping = threading.Event()  # set by close(): send what is queued, then stop
         self.thread = threading.Thread(target=self._run, name="mlflow-sender", daemon=True)
         self.thread.start()
 
@@ -227,7 +228,7 @@ class MlflowSender:
         (the thread is a daemon)."""
         timeout_s = timeout_s if self.healthy else min(timeout_s, 2.0)
         self.deadline = time.monotonic() + timeout_s
-        self._put(("close",))
+        self.stopping.set()
         self.thread.join(timeout_s)
 
     def _run(self) -> None:
@@ -245,26 +246,25 @@ class MlflowSender:
                     return
                 time.sleep(5)  # the server may come back; records wait in the queue meanwhile
         while True:
-            batch, closing = self._next_batch()
+            batch = self._next_batch()
             if batch:
                 self._log(calls, run_id, batch)
-            if closing or self._closing():
+            if (self.stopping.is_set() and self.queue.empty()) or self._closing():
                 return
 
     def _closing(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
-    def _next_batch(self) -> tuple[list[tuple], bool]:
-        """Up to one batch of queued records, waiting a second for the first."""
+    def _next_batch(self) -> list[tuple]:
+        """Up to one batch of queued records, waiting up to a second for the first (less once stopping)."""
         batch: list[tuple] = []
         try:
-            batch.append(self.queue.get(timeout=1.0))
+            batch.append(self.queue.get(timeout=0.05 if self.stopping.is_set() else 1.0))
             while len(batch) < MAX_METRICS_PER_BATCH // 10:
                 batch.append(self.queue.get_nowait())
         except queue.Empty:
             pass
-        closing = any(item[0] == "close" for item in batch)
-        return [item for item in batch if item[0] != "close"], closing
+        return batch
 
     def _log(self, calls: Calls, run_id: str, batch: list[tuple]) -> None:
         from mlflow.entities import Metric, RunTag

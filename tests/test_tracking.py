@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -189,3 +190,48 @@ def test_uri_default_is_the_environment(monkeypatch):
     assert off.tracking.mlflow.uri == ""
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert config.resolve(config.load(None, ["experiment.name=exp-a"])).tracking.mlflow.uri == ""
+
+
+def test_the_driver_ends_a_failed_run_with_its_error_line(server, tmp_path):
+    client = server.client()
+    run = client.create_run(client.create_experiment("ended-by-the-driver"))
+    record = {"tracking_uri": server.uri, "experiment": "ended-by-the-driver", "run_id": run.info.run_id}
+    (tmp_path / tracking.RUN_RECORD).write_text(json.dumps(record))
+    tracking.end_run(tmp_path, server.uri, "FAILED", "RuntimeError: CUDA out of memory [rank 1]")
+    ended = client.get_run(run.info.run_id)
+    assert ended.info.status == "FAILED" and ended.data.tags["error"] == "RuntimeError: CUDA out of memory [rank 1]"
+    tracking.end_run(tmp_path, "http://another-server:5000", "FINISHED")  # not this record's server: untouched
+    assert client.get_run(run.info.run_id).info.status == "FAILED"
+
+
+def test_a_server_that_never_answers_costs_the_loop_nothing(tmp_path, monkeypatch, caplog):
+    """A server that accepts connections and never answers (a hung proxy): send() returns at once whatever
+    is queued, close() within its bound, and one warning says so."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        uri = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        tags = {"finetune.experiment": "hung"}
+        sender = tracking.MlflowSender(uri, "hung", tmp_path, {"a": "1"}, tags)
+        started = time.perf_counter()
+        for step in range(1, 20_001):  # twice the queue: the rest is dropped, never waited for
+            sender.metrics(step, {"loss": 1.0, "learning_rate": 1e-3})
+        sending = time.perf_counter() - started
+        wait_until(lambda: not sender.healthy, None, None, timeout=60, what="the calls given up")
+        started = time.perf_counter()
+        sender.close(timeout_s=20)
+        closing = time.perf_counter() - started
+    assert sending < 2.0 and closing < 3.0, (sending, closing)
+    assert sender.dropped == 20_000 - tracking.QUEUE_SIZE
+    warnings = [r.getMessage() for r in caplog.records if "MLflow at" in r.getMessage()]
+    assert len(warnings) == 2 and {"failed 3 times" in w for w in warnings} == {True, False}, warnings
+    assert any("not keeping up" in w for w in warnings), warnings
+
+
+def test_status_of_a_rayjob_draws_its_loss_curve():
+    from app import ops
+
+    lines = ops.render_progress("exp1", {"step": 3, "total_steps": 3, "loss_curve": [[1, 3.0], [2, 2.5], [3, 2.0]]})
+    curve = [line for line in lines if "│" in line]
+    assert len(curve) == 6 and curve[0].split()[0] == "3.000" and curve[-1].split()[0] == "2.000", lines
