@@ -180,6 +180,23 @@ def test_a_bad_tracking_uri_is_refused(uri, message):
         config.load(None, [f"tracking.mlflow.uri={uri}"])
     problem = err.value.problems[0]
     assert problem.field == "tracking.mlflow.uri" and message in problem.message
+    assert "secret" not in str(problem)  # the password is never echoed
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["", "databricks", "http://mlflow:5000", "https://mlflow.example.com/prefix", "file:///tmp/mlruns", "file:/tmp/m"]
+    + ["https://u:p@mlflow.example.com", "mlflow:5000", "ftp://host", "http://u@host/"],
+)
+def test_schema_pattern_and_validator_agree(uri):
+    import re as regex
+
+    try:
+        config.load(None, [f"tracking.mlflow.uri={uri}"])
+        accepted = True
+    except config.ConfigError:
+        accepted = False
+    assert accepted == bool(regex.match(config.MLFLOW_URI_PATTERN, uri)), uri
 
 
 def test_uri_default_is_the_environment(monkeypatch):
