@@ -62,10 +62,11 @@ class MetricsLogger:
         if self.mlflow and resumed_from:
             self.mlflow.set_tags({"resumed_from": resumed_from})
         self.drawing: threading.Thread | None = None  # loss.png, drawn off the training thread
-        # The loss curve on the RayJob (`finetune status`): this experiment's, across resumes.
-        self.curve = charts.downsample(charts.read_curves(run_dir / "metrics.jsonl")[0], CURVE_POINTS)
-        # Live progress on the RayJob, when running under one (None elsewhere).
+        # Live progress on the RayJob, when running under one (None elsewhere), with the loss curve that
+        # `finetune status` draws: this experiment's, across resumes.
         self.progress = ProgressPublisher.from_env(interval_s=30.0)
+        history = charts.read_curves(run_dir / "metrics.jsonl")[0] if self.progress else []
+        self.curve = charts.downsample(history, CURVE_POINTS)
         if self.progress:
             self.progress.update(
                 {
