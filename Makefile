@@ -13,7 +13,7 @@ TORCH_STACK := torch|nvidia-|cuda-|triton
 setup: $(VENV)/.installed
 
 # Each phase says what it does and how long it takes on 2 cores (README, "What make run does"), so nothing is silent for long.
-$(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt
+$(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt requirements-mlflow.txt
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "error: this needs Python >= 3.11;" \
 	  "$(PYTHON) is $$($(PYTHON) -V 2>&1): run make PYTHON=python3.11 (or newer)" >&2; exit 2; }
 	@command -v c++ >/dev/null || { echo "error: no C++ compiler (c++): DeepSpeed builds its CPU ops with one on first use;" \
@@ -26,11 +26,14 @@ $(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt
 	@echo "==> install 3/4: Ray, DeepSpeed, transformers and the rest from requirements.lock, helm and kubectl (1-2 min)"
 	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
 	$(PY) tools/k8s_tools.py
-	@echo "==> install 4/4: checkov (make test's policy checks), in a venv of its own"
+	@echo "==> install 4/4: checkov (make test's policy checks) and the MLflow server (its tracking tests), each in a venv of its own"
 	# checkov in a venv of its own: its pins (packaging, networkx, ...) conflict with requirements.lock.
 	test -x $(VENV)/tools/checkov/bin/python || $(PYTHON) -m venv $(VENV)/tools/checkov
 	$(VENV)/tools/checkov/bin/pip install -q -r requirements-checkov.txt
 	ln -sf ../tools/checkov/bin/checkov $(BIN)/checkov
+	# The full mlflow (the server) pins pyarrow and python-dateutil below requirements.lock's.
+	test -x $(VENV)/tools/mlflow/bin/python || $(PYTHON) -m venv $(VENV)/tools/mlflow
+	$(VENV)/tools/mlflow/bin/pip install -q -r requirements-mlflow.txt
 	touch $@
 	@echo "==> installed: finetune, helm and kubectl are in $(BIN)/ (add it to PATH, or source $(BIN)/activate)"
 

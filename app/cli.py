@@ -222,6 +222,7 @@ def cmd_train(args) -> int:
         return EXIT_LEASE_HELD
     except Exception as exc:  # noqa: BLE001 - Ray already logged the workers' tracebacks
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        end_tracking(cfg, "FAILED", first)
         print(f"error: training of {cfg.experiment.name} failed: {first}", file=sys.stderr)
         then = (
             "change the setting it names, then deploy again"
@@ -236,6 +237,8 @@ def cmd_train(args) -> int:
     if (final / "config.json").exists():
         share_like_the_rest(final)
     metrics = result.metrics or {}
+    # Preempted, or stopped early (train.stop_after_steps): the run goes on when deployed again.
+    end_tracking(cfg, "FINISHED" if driver.finished_checkpoint(cfg) else "KILLED")
     if metrics.get("preempted"):
         print(
             f"preempted at step {metrics.get('global_step')}, checkpoint written in {metrics.get('save_s')} s "
@@ -253,6 +256,15 @@ def cmd_train(args) -> int:
         if cfg.scaling.use_gpu is False:
             print(f"sample: {sample_generation(final)!r}")
     return 0
+
+
+def end_tracking(cfg: config_mod.TrainingConfig, status: str, error: str | None = None) -> None:
+    """The MLflow run's end (when tracking is on), with the final model when there is one."""
+    from app import tracking
+
+    final = cfg.experiment_dir / "final"
+    exported = final if status == "FINISHED" and any(final.glob("*.safetensors")) else None
+    tracking.end_run(cfg.experiment_dir, cfg.tracking.mlflow.uri, status, error, exported)
 
 
 def cmd_preempt(args) -> int:

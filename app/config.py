@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
 import secrets
 import typing
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -247,6 +249,42 @@ class ScalingConfig(Section):
     )
 
 
+MLFLOW_SCHEMES = ("http", "https", "file", "databricks")
+# The validator's rule for helm (values.schema.json): empty, "databricks", or a scheme above whose host part
+# holds no "user:password@".
+MLFLOW_URI_PATTERN = r"^$|^databricks$|^(https?|file|databricks)://[^/@]*(/.*)?$|^file:/[^/].*$"
+
+
+class MlflowConfig(Section):
+    uri: str | None = Field(
+        None,
+        json_schema_extra={"pattern": MLFLOW_URI_PATTERN},
+        description="MLflow tracking server, e.g. http://mlflow.mlops:5000: rank 0 logs params, metrics and "
+        "checkpoints to one run per experiment (kept across resumes). null: the MLFLOW_TRACKING_URI environment "
+        'variable where it is set, else off; "" turns it off. Credentials come from MLflow\'s own variables '
+        "(MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD), never from here.",
+    )
+    experiment: str | None = Field(
+        None, max_length=500, description="MLflow experiment to log into; default: experiment.name."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _tracking_uri(cls, v: str | None) -> str | None:
+        if not v or v == "databricks":  # MLflow's name for the Databricks workspace of the CLI profile
+            return v
+        parts = urllib.parse.urlsplit(v)
+        if parts.scheme not in MLFLOW_SCHEMES:
+            raise ValueError(f"must be a tracking server URI ({', '.join(s + ':' for s in MLFLOW_SCHEMES)})")
+        if parts.username or parts.password:
+            raise ValueError("must not carry credentials (anyone who may read the config would read them)")
+        return v
+
+
+class TrackingConfig(Section):
+    mlflow: MlflowConfig = MlflowConfig()
+
+
 class TrainingConfig(Section):
     """The whole training config file."""
 
@@ -256,6 +294,7 @@ class TrainingConfig(Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     scaling: ScalingConfig = ScalingConfig()
+    tracking: TrackingConfig = TrackingConfig()
     deepspeed: DeepSpeedConfig = Field(
         default_factory=lambda: DeepSpeedConfig.model_validate(tutorial_ds_config()),
         description='A DeepSpeed config passed through as is; "auto" values are filled from the other sections.',
@@ -501,7 +540,7 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     loc = [str(p) for p in err["loc"]]
     field = ".".join(loc) or "CONFIG"
-    value = err.get("input")
+    value = _without_password(err.get("input"))
     if err["type"] == RULE:  # a rule of app.ds_block: its own fix, maybe about a key below this location
         ctx = err["ctx"]
         if ctx["field"]:
@@ -532,7 +571,21 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     }.get(err["type"], "see the field's description in README.md")
     if loc and loc[-1] == "name":
         fix = "rename it, e.g. 'gpt2-agnews-1'"
+    if loc == ["tracking", "mlflow", "uri"]:
+        fix = (
+            "write the server's URL, e.g. http://mlflow.mlops:5000; credentials go in MLFLOW_TRACKING_TOKEN or "
+            "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (chart: tracking.mlflow.credentialsSecret)"
+        )
     return Problem(field, value, msg, fix)
+
+
+def _without_password(value: Any) -> Any:
+    """A URL's password is never echoed in an error line (terminals and CI logs keep them)."""
+    if isinstance(value, str) and "://" in value and "@" in value:
+        parts = urllib.parse.urlsplit(value)
+        if parts.password:
+            return value.replace(f":{parts.password}@", ":***@", 1)
+    return value
 
 
 def _known_keys(loc: list[str]) -> list[str]:
@@ -558,6 +611,11 @@ def resolve(cfg: TrainingConfig) -> TrainingConfig:
     """Fill what the config leaves open; the generated experiment name is the key to resume."""
     if cfg.experiment.name is None:
         cfg.experiment.name = f"{NAME_PREFIX}-{secrets.token_hex(4)}"
+    mlflow = cfg.tracking.mlflow
+    if mlflow.uri is None:
+        mlflow.uri = os.environ.get("MLFLOW_TRACKING_URI") or ""  # "" (off) from here on: resolved once
+    if mlflow.experiment is None:
+        mlflow.experiment = cfg.experiment.name
     return cfg
 
 

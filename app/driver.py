@@ -279,11 +279,15 @@ def run(cfg: TrainingConfig, ds: dict[str, Any]):
 
 def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
     """The DeepSpeed config this run resolved, in the log and beside its checkpoints: the one place to read it
-    (the chart does not compute it; `finetune validate` prints it before a run)."""
+    (the chart does not compute it; `finetune validate` prints it before a run); the resolved training config
+    beside it."""
     from app.checkpoint import write_atomic
+    from app.tracking import CONFIG_RECORD
 
     path = cfg.experiment_dir / DS_CONFIG_RECORD
     write_atomic(path, json.dumps(ds, indent=2) + "\n")
+    # The training config as resolved, beside it: what rank 0 logs to MLflow as params (app/tracking.py).
+    write_atomic(cfg.experiment_dir / CONFIG_RECORD, json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n")
     # One line in the (quiet) log; the whole config is in the file.
     log.info(
         f"DeepSpeed config: ZeRO-{cfg.zero_stage}, {ds['train_batch_size']} sequences a step "

@@ -1,16 +1,20 @@
-"""Metrics: progress lines with ETA, throughput and MFU, TensorBoard events and a metrics.jsonl file."""
+"""Metrics: progress lines with ETA, throughput and MFU, TensorBoard events, a metrics.jsonl file, MLflow (when
+tracking.mlflow is set: app/tracking.py) and loss.png at each checkpoint (app/charts.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from app import charts
 from app.progress import duration
+from app.tracking import MlflowSender
 
 log = logging.getLogger("finetune")
 
@@ -30,6 +34,9 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq: int) -> floa
     return 6 * n_params + 12 * n_layers * hidden * seq
 
 
+CURVE_POINTS = 48  # points of the loss curve on the RayJob's progress record
+
+
 class MetricsLogger:
     """Lives on rank 0 only; other ranks never construct one."""
 
@@ -46,13 +53,20 @@ class MetricsLogger:
 
         from app.progress import ProgressPublisher
 
-        self.total, self.start_step = total_steps, start_step
+        self.total, self.start_step, self.run_dir, self.world_size = total_steps, start_step, run_dir, world_size
         self.flops_per_tok, self.peak = flops_per_tok, peak_flops()
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.t0 = time.perf_counter()
-        # Live progress on the RayJob, when running under one (None elsewhere).
+        self.mlflow = MlflowSender.for_experiment(run_dir)
+        if self.mlflow and resumed_from:
+            self.mlflow.set_tags({"resumed_from": resumed_from})
+        self.drawing: threading.Thread | None = None  # loss.png, drawn off the training thread
+        # Live progress on the RayJob, when running under one (None elsewhere), with the loss curve that
+        # `finetune status` draws: this experiment's, across resumes.
         self.progress = ProgressPublisher.from_env(interval_s=30.0)
+        history = charts.read_curves(run_dir / "metrics.jsonl")[0] if self.progress else []
+        self.curve = charts.downsample(history, CURVE_POINTS)
         if self.progress:
             self.progress.update(
                 {
@@ -94,8 +108,11 @@ class MetricsLogger:
         if torch.cuda.is_available():
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self._write(step, record, "train")
+        self._track(step, record)
         if self.progress:
             self.progress.update({k: record[k] for k in ("step", "epoch", "loss", "tokens_per_s_per_gpu", "eta_s")})
+            self.curve = charts.downsample([p for p in self.curve if p[0] < step] + [(step, loss)], CURVE_POINTS)
+            self.progress.update({"loss_curve": [[s, round(v, 4)] for s, v in self.curve]})
         mfu = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
         gn = f" gnorm {grad_norm:.3f}" if grad_norm is not None else ""
         # Shown only when it matters: a loader that cannot keep up (raise data.loader_workers).
@@ -116,11 +133,25 @@ class MetricsLogger:
         self.jsonl.write(json.dumps({"kind": "startup", "time": time.time(), **record}) + "\n")
         self.jsonl.flush()
         log.info("start-up: " + ", ".join(f"{name} {sec:.1f}s" for name, sec in phases.items()))
+        if self.mlflow:
+            self.mlflow.metrics(self.start_step, {f"startup_{name}_s": sec for name, sec in phases.items()})
         return record
+
+    def _track(self, step: int, record: dict[str, Any]) -> None:
+        """One step's record to MLflow, under the names a dashboard expects."""
+        if not self.mlflow:
+            return
+        names = {"loss": "loss", "lr": "learning_rate", "grad_norm": "grad_norm", "mfu": "mfu"}
+        names.update({k: k for k in ("tokens_per_s_per_gpu", "step_time_s", "data_wait_s", "epoch", "peak_mem_gib")})
+        values = {name: record[key] for key, name in names.items() if record.get(key) is not None}
+        values["tokens_per_s"] = record["tokens_per_s_per_gpu"] * self.world_size
+        self.mlflow.metrics(step, values)
 
     def eval(self, step: int, loss: float) -> dict[str, Any]:
         record = {"step": step, "eval_loss": loss, "eval_perplexity": float(torch.exp(torch.tensor(min(loss, 50.0))))}
         self._write(step, record, "eval")
+        if self.mlflow:
+            self.mlflow.metrics(step, {"eval_loss": loss, "eval_perplexity": record["eval_perplexity"]})
         if self.progress:
             self.progress.update({"eval_loss": loss})
         log.info(f"eval at step {step}: loss {loss:.4f} perplexity {record['eval_perplexity']:.2f}")
@@ -155,9 +186,38 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.progress:
             self.progress.update({"last_checkpoint": str(path), "last_checkpoint_step": step}, force=True)
+        if self.mlflow:
+            saved = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self.mlflow.metrics(step, {"checkpoint_save_s": total_s, "checkpoint_stall_s": stall_s})
+            self.mlflow.set_tags(
+                {
+                    f"checkpoint.{path.name}": f"{path} (step {step}, saved {saved}, written in {total_s:.2f} s)",
+                    "last_checkpoint": str(path),
+                    "last_checkpoint_step": str(step),
+                }
+            )
+        self._draw()
+
+    def _draw(self) -> None:
+        """loss.png from metrics.jsonl in a thread; skipped while the last drawing is still going (close() draws
+        the final one)."""
+        if self.drawing is None or not self.drawing.is_alive():
+            self.drawing = threading.Thread(target=self._draw_safely, name="loss-png", daemon=True)
+            self.drawing.start()
+
+    def _draw_safely(self) -> None:
+        try:
+            charts.write_loss_png(self.run_dir)
+        except Exception as exc:  # noqa: BLE001 - a picture never fails a run
+            log.warning(f"WARNING: could not draw {self.run_dir / charts.LOSS_PNG}: {exc}")
 
     def close(self) -> None:
         self.writer.close()
         self.jsonl.close()
+        if self.drawing is not None:
+            self.drawing.join(30)
+            self._draw_safely()  # the last evaluation comes after the last checkpoint
+        if self.mlflow:
+            self.mlflow.close()
         if self.progress:
             self.progress.close()  # one last flush, bounded

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app import kube, logs
+from app import experiment_folder, kube, logs
 from app.errors import seconds
 from app.progress import duration
 from app.progress import parse as parse_progress
@@ -48,7 +48,10 @@ def register(sub) -> None:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "experiment", metavar="EXPERIMENT", help="experiment name (training.experiment.name in the chart)"
+            "experiment",
+            metavar="EXPERIMENT",
+            help="experiment name (training.experiment.name in the chart); for status also a local experiment "
+            "folder, a path with a '/' (e.g. ./runs/exp1)",
         )
         p.add_argument(
             "-n", "--namespace", help="namespace of the RayJob (default: the kubeconfig context's, else 'default')"
@@ -59,8 +62,9 @@ def register(sub) -> None:
         help="show an experiment's RayJob state and live training progress",
         description="Show the experiment's RayJob(s): job and deployment status, RayCluster, retry "
         "counts, start/end, and the latest progress record the training publishes on the "
-        "RayJob (step, loss, tokens/s, ETA, last checkpoint). Exit 0 when running, pending "
-        "or succeeded, 1 when failed, 2 when no RayJob is found, 3 when the API cannot be asked.",
+        "RayJob (step, loss and its curve, tokens/s, ETA, the latest checkpoint). Exit 0 when running, pending "
+        "or succeeded, 1 when failed, 2 when no RayJob is found, 3 when the API cannot be asked. Given a "
+        "folder path instead, the same from a local experiment folder's files (exit 0, 2 when it is not one).",
         epilog=epilog,
     )
     common(p)
@@ -112,6 +116,8 @@ def register(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run one of COMMANDS; every failure ends as one line on stderr and an exit code."""
     try:
+        if args.command == "status" and experiment_folder.looks_like_a_folder(args.experiment):
+            return cmd_folder_status(args)
         check_name(args.experiment, args.namespace)
         return {"status": cmd_status, "logs": cmd_logs, "resume": cmd_resume}[args.command](args)
     except OpsError as exc:
@@ -252,6 +258,16 @@ def cmd_status(args) -> int:
     return exit_code(state)
 
 
+def cmd_folder_status(args) -> int:
+    """`finetune status PATH`: a local experiment folder, read from its files."""
+    run_dir = Path(args.experiment).expanduser().absolute()
+    if not run_dir.is_dir():
+        raise OpsError(f"{args.experiment}: no such experiment folder (pass <storage>/<experiment>)", EXIT_NOT_FOUND)
+    info = experiment_folder.describe(run_dir)
+    print(json.dumps(info, indent=2) if args.output == "json" else experiment_folder.render(info))
+    return EXIT_OK
+
+
 def render_table(experiment: str, namespace: str, jobs: list[dict]) -> str:
     header = (
         "RAYJOB",
@@ -319,6 +335,8 @@ def render_progress(name: str, p: dict | None) -> list[str]:
         lines.append(f"  checkpoint   {p['last_checkpoint']} (step {_num(p.get('last_checkpoint_step'))})")
     if p.get("resumed_from"):
         lines.append(f"  resumed from {p['resumed_from']}")
+    if isinstance(p.get("loss_curve"), list):
+        lines += experiment_folder.curve_lines([pt for pt in p["loss_curve"] if isinstance(pt, list) and len(pt) == 2])
     return lines
 
 

@@ -41,6 +41,7 @@ FIELDS = (
     "last_checkpoint_step",
     "world_size",
     "resumed_from",
+    "loss_curve",
     "updated_at",
 )
 CALL_TIMEOUT_S = (3.0, 5.0)  # connect, read: the most one PATCH can take
@@ -59,6 +60,8 @@ def _clean(value: Any) -> Any:
         return float(f"{value:.6g}") if math.isfinite(value) else None
     if isinstance(value, os.PathLike):
         return os.fspath(value)
+    if isinstance(value, (list, tuple)):  # the loss curve: [[step, loss], ...]
+        return [_clean(v) for v in value]
     return str(value)
 
 

@@ -228,6 +228,18 @@ def kubernetes_properties() -> dict[str, Any]:
                 ),
             }
         ),
+        "tracking": _obj(
+            {
+                "mlflow": _obj(
+                    {
+                        "credentialsSecret": STR,
+                        "egressTo": LIST_OF_OBJECTS,
+                    },
+                    "An existing Secret with MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD, and where "
+                    "the server is for the NetworkPolicy; the server's URI is training.tracking.mlflow.uri.",
+                )
+            }
+        ),
         "ncclEnv": {**SCALAR_MAP, "description": "NCCL_* variables (validate.yaml rejects other names)."},
         "env": ENV_LIST,
         **SECURITY,

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,8 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
         assert pvcs[0]["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         assert pvcs[0]["spec"]["accessModes"] == values["storage"]["accessModes"]
 
+    check_tracking(objects, values, templates)
+
     # Ray token auth is configured for the cluster; KubeRay hands the token to the submitter.
     assert spec["authOptions"]["mode"] == values["auth"]["mode"]
     assert set(files) == {"training.yaml"}, "the app resolves the DeepSpeed config, not the chart"
@@ -319,6 +322,10 @@ VARIANTS = {
         ],
         {},
     ),
+    "mlflow-https-default-port": (
+        ["training.tracking.mlflow.uri=https://mlflow.example.com/", "tracking.mlflow.credentialsSecret=mlflow"],
+        {"tracking.mlflow.egressTo": [{"ipBlock": {"cidr": "10.20.0.0/16"}}]},
+    ),
     "autoscaling-groups": (
         ["autoscaling.enabled=true", "workers.gpu.maxReplicas=4", "workers.gpu.minReplicas=1"],
         {
@@ -336,6 +343,27 @@ VARIANTS = {
         },
     ),
 }
+
+
+def check_tracking(objects: list[dict[str, Any]], values: dict[str, Any], templates: dict[str, dict]) -> None:
+    """MLflow: the credentials Secret by reference on head and workers (rank 0 logs, the driver ends the run), not
+    on the submitter; the NetworkPolicy's rule to the server is its address and the URI's port, nothing more."""
+    secret = values["tracking"]["mlflow"]["credentialsSecret"]
+    keys = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    for role, tpl in templates.items():
+        env = env_of(container(tpl))
+        if secret and role != "submitter":
+            for key in keys:
+                assert env[key] == {"secretKeyRef": {"name": secret, "key": key, "optional": True}}, role
+        else:
+            assert not set(keys) & set(env), role
+    uri = values["training"].get("tracking", {}).get("mlflow", {}).get("uri")
+    to = values["tracking"]["mlflow"]["egressTo"]
+    if values["networkPolicy"]["enabled"] and uri and to:
+        parts = urllib.parse.urlsplit(uri)
+        port = parts.port or {"https": 443, "http": 80}[parts.scheme]
+        egress = one(objects, "NetworkPolicy")["spec"]["egress"]
+        assert egress == values["networkPolicy"]["egress"] + [{"to": to, "ports": [{"protocol": "TCP", "port": port}]}]
 
 
 @pytest.mark.parametrize("case", list(VARIANTS))
@@ -369,6 +397,18 @@ def test_variants_render_and_validate(case, tmp_path):
         assert job["rayClusterSpec"]["authOptions"] == {"mode": "disabled"}
         for role, tpl in templates.items():
             assert env_of(container(tpl))["RAY_AUTH_MODE"] == "disabled", role
+    elif case == "mlflow-https-default-port":
+        values = merge(
+            VALUES,
+            {
+                "tracking": {
+                    "mlflow": {"credentialsSecret": "mlflow", "egressTo": json_sets["tracking.mlflow.egressTo"]}
+                },
+                "training": {"tracking": {"mlflow": {"uri": "https://mlflow.example.com/"}}},
+            },
+        )
+        check_tracking(objects, values, templates)
+        assert one(objects, "NetworkPolicy")["spec"]["egress"][-1]["ports"] == [{"protocol": "TCP", "port": 443}]
     elif case == "autoscaling-groups":
         spec = job["rayClusterSpec"]
         assert spec["enableInTreeAutoscaling"] is True

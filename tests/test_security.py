@@ -473,7 +473,9 @@ def policy_admits(
 def test_network_policy_admits_the_experiment_and_the_operator_only(values):
     objects = render(values, namespace="ml-team")  # the operator runs in kuberay-system (the default value)
     policy = one(objects, "NetworkPolicy")
-    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["spec"]["egress"] == [{}]
+    egress = policy["spec"]["egress"]  # open, plus the MLflow server's port where tracking.mlflow.egressTo is set
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and egress[0] == {}
+    assert all(set(rule) == {"to", "ports"} and len(rule["ports"]) == 1 for rule in egress[1:]), egress
     templates = pod_templates(objects)
     own = [tpl["metadata"]["labels"] for tpl in templates.values()]  # head, workers, submitter
     other_exp = {**own[0], "ray-finetune/experiment": "another-run"}

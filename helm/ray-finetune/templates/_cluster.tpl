@@ -23,6 +23,17 @@ which is also training.experiment.storage_path) and the config read-only.
       key: {{ .key | default "token" }}
 {{- end }}
 {{- end }}
+{{- with .Values.tracking.mlflow.credentialsSecret }}
+{{- $secret := . }}
+{{- range list "MLFLOW_TRACKING_TOKEN" "MLFLOW_TRACKING_USERNAME" "MLFLOW_TRACKING_PASSWORD" }}
+- name: {{ . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ . }}
+      optional: true
+{{- end }}
+{{- end }}
 {{- if eq .Values.auth.mode "disabled" }}
 - name: RAY_AUTH_MODE
   value: disabled

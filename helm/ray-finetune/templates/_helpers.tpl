@@ -229,3 +229,21 @@ PyYAML read an exponent without a point as a string.
 {{- define "ray-finetune.toYaml" -}}
 {{- regexReplaceAll "(?m)(^|: |- )(-?[0-9]+)(e[-+][0-9]+)$" (toYaml .) "${1}${2}.0${3}" -}}
 {{- end }}
+
+{{/*
+The NetworkPolicy egress rule to the MLflow server: tracking.mlflow.egressTo on the port of
+training.tracking.mlflow.uri (its scheme's default when it names none); empty without both.
+*/}}
+{{- define "ray-finetune.mlflowEgress" -}}
+{{- $uri := (((.Values.training).tracking).mlflow).uri | default "" }}
+{{- $to := .Values.tracking.mlflow.egressTo }}
+{{- if and $uri $to }}
+{{- $url := urlParse $uri }}
+{{- $port := (regexFind ":[0-9]+$" $url.host) | trimPrefix ":" | default (ternary "443" "80" (eq $url.scheme "https")) }}
+- to:
+    {{- toYaml $to | nindent 4 }}
+  ports:
+    - protocol: TCP
+      port: {{ $port }}
+{{- end }}
+{{- end }}
