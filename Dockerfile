@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# One image for KubeRay's head, the workers and the RayJob submitter. Build, push, multi-arch and what
-# was (not) proven without a container engine: docs/container.md.
+# One image for KubeRay's head, the workers and the RayJob submitter. Build, push, multi-arch, the build
+# without Docker Hub (`make image`: buildah on a stand-in base) and what was (not) proven: docs/container.md.
 #
 # Base: the official Ray image of the Ray version that pyproject.toml pins. Ray tags its images
 # {ray version}-py{python minor}-cu{CUDA major+minor}[-aarch64]; the GPU ones are built on

@@ -8,7 +8,8 @@
 # Cached under ${FINETUNE_E2E_CACHE:-~/.cache/finetune-e2e}/image: buildah's storage, the registry's storage and
 # one record per build key (a hash of everything that goes into the image: the Dockerfile, its build arguments,
 # what it copies, the stand-in's recipe and this script). A record is complete only once renamed into place, so
-# an interrupted build leaves nothing that looks built; with a record, nothing is built again.
+# an interrupted build leaves nothing that looks built; with a record, nothing is built again. A new key whose
+# steps are unchanged costs seconds: buildah's layer cache (--layers) still has every step.
 # Prints NAME=VALUE lines on stdout (IMAGE, IMAGE_DIGEST, ...; the e2e harness reads them), progress on stderr.
 # Needs root (rootful buildah). Installs buildah, skopeo, docker-registry, debootstrap and curl when missing.
 set -euo pipefail
@@ -72,17 +73,19 @@ CONF
   export CONTAINERS_STORAGE_CONF="$img/storage.conf" BUILDAH_ISOLATION=chroot
 }
 
-# Debian $suite minbase (and $include) from debootstrap, committed as an image (about 80 s on 2 cores).
+# Debian $suite minbase (and $include) from debootstrap, committed as an image (about 2 minutes on 2 cores).
 debian_image() {
   local ref="$1" mirror="$2" t0=$SECONDS tmp ctr mnt
   exists "$ref" && return
-  say "debootstrap $suite minbase from $mirror (about 1.5 minutes)"
+  say "debootstrap $suite minbase from $mirror (about 2 minutes)"
+  rm -rf "$img"/debootstrap.*  # what an interrupted run left
   tmp="$(mktemp -d "$img/debootstrap.XXXXXX")"
   debootstrap --variant=minbase --include="$include" "$suite" "$tmp/rootfs" "$mirror" > "$tmp/log" 2>&1 \
     || { tail -5 "$tmp/log" >&2; rm -rf "$tmp"; die "debootstrap failed (its log above)"; }
   ctr="$(buildah from scratch)"
   mnt="$(buildah mount "$ctr")"
-  tar -C "$tmp/rootfs" --exclude=./dev/* --exclude=./proc/* --exclude=./sys/* -cf - . | tar -C "$mnt" -xpf -
+  tar -C "$tmp/rootfs" --exclude=./dev/* --exclude=./proc/* --exclude=./sys/* -cf - . | tar -C "$mnt" -xpf - \
+    || { buildah rm "$ctr" >/dev/null; rm -rf "$tmp"; die "copying the minbase into a container failed"; }
   buildah umount "$ctr" >/dev/null
   buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
   buildah commit --rm -q "$ctr" "$ref" >/dev/null
@@ -90,10 +93,25 @@ debian_image() {
   say "debian minbase: $ref in $((SECONDS - t0)) s"
 }
 
+# The stand-in base REF from tools/image/base/Containerfile on the minbase DEB_REF, with Ray RAY (about 1-2 minutes).
+standin_image() {
+  local ref="$1" deb_ref="$2" ray="$3" t0=$SECONDS ctx
+  exists "$ref" && return
+  say "stand-in base $ref (Python 3.11, ray[default]==$ray, user ray; about 1-2 minutes)"
+  rm -rf "$img"/base-context.*
+  ctx="$(mktemp -d "$img/base-context.XXXXXX")"
+  cp "$repo/requirements.lock" "$ctx/"
+  bud "$ctx" "$here/base/Containerfile" "$ref" --build-arg "DEBIAN_IMAGE=$deb_ref" --build-arg "RAY_VERSION=$ray" \
+    || { rm -rf "$ctx"; die "the stand-in base failed to build (output above)"; }
+  rm -rf "$ctx"
+  say "stand-in base built in $((SECONDS - t0)) s"
+}
+
 # bud CONTEXT FILE TAG ARGS... : buildah bud with the host's CA bundle mounted for pip and apt (HTTPS from these
 # machines goes through a proxy with its own CA); the bundle is mounted for the build only, never copied in.
 bud() {
   local ctx="$1" file="$2" tag="$3"; shift 3
+  [ -f /etc/ssl/certs/ca-certificates.crt ] || die "no CA bundle at /etc/ssl/certs/ca-certificates.crt (Debian: apt-get install ca-certificates)"
   # --format docker: the OCI format has no SHELL, and buildah would run the RUN steps with /bin/sh, not bash.
   buildah bud --isolation chroot --layers --force-rm --pull=never --format docker \
     -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro \
@@ -103,7 +121,7 @@ bud() {
 main() {
   need_tools
   storage
-  local t_all=$SECONDS mirror ray version deb_key deb_ref base_key base_repo args key record ref
+  local t_all=$SECONDS mirror ray version deb_key deb_ref base_key args key record ref
   mirror="$(debian_mirror)"
   ray="$(sed -n 's/.*"ray\[train\]==\([0-9.]*\)".*/\1/p' "$repo/pyproject.toml")"
   version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml")"
@@ -112,9 +130,12 @@ main() {
   deb_key="$(key_of "$suite minbase $include $mirror")"
   deb_ref="localhost/finetune-debian:$suite-minbase-$deb_key"
   base_key="$(key_of "$deb_key ray=$ray" tools/image/base tools/image/build.sh requirements.lock)"
-  base_repo="localhost/ray-standin-$base_key"
-  # The Dockerfile's FROM is ${BASE_IMAGE}:<ray>-py311-${CUDA}: the stand-in carries the tag the real base has.
-  local base_ref="$base_repo:$ray-py311-cu130"
+  # The Dockerfile's FROM is ${BASE_IMAGE}:<ray>-py311-${CUDA}: the stand-in carries the tag the real base has,
+  # given to the build of this key just before the Dockerfile's build. BASE_IMAGE stays the same from one key to
+  # the next: a changed build argument would miss buildah's layer cache from the first RUN step on, even for an
+  # unchanged base.
+  local base_repo="localhost/ray-standin" base_tag="$ray-py311-cu130"
+  local base_ref="$base_repo:$base_tag-$base_key"
   args=(--build-arg "BASE_IMAGE=$base_repo" --build-arg "TORCH_INDEX=" --build-arg "BUILD_FUSED_ADAM=0")
   key="$(key_of "$base_key ${args[*]}" Dockerfile .dockerignore requirements.lock pyproject.toml README.md app examples tools/image)"
   ref="localhost/$name:$version-$key"
@@ -127,18 +148,10 @@ main() {
   else
     rm -f "$record"
     debian_image "$deb_ref" "$mirror"
-    local t0=$SECONDS ctx
-    if ! exists "$base_ref"; then
-      say "stand-in base $base_ref (Python 3.11, ray[default]==$ray, user ray; about 3-5 minutes)"
-      ctx="$(mktemp -d "$img/base-context.XXXXXX")"
-      cp "$repo/requirements.lock" "$ctx/"
-      bud "$ctx" "$here/base/Containerfile" "$base_ref" --build-arg "DEBIAN_IMAGE=$deb_ref" \
-        --build-arg "RAY_VERSION=$ray" || { rm -rf "$ctx"; die "the stand-in base failed to build (output above)"; }
-      rm -rf "$ctx"
-      say "stand-in base built in $((SECONDS - t0)) s"
-    fi
-    t0=$SECONDS
-    say "image $ref from the Dockerfile (cold: torch's CUDA build and DeepSpeed's CPU Adam, 15-30 minutes on 2 cores)"
+    standin_image "$base_ref" "$deb_ref" "$ray"
+    buildah tag "$base_ref" "$base_repo:$base_tag"
+    local t0=$SECONDS
+    say "image $ref from the Dockerfile (cold: torch's CUDA build and DeepSpeed's CPU Adam, about 10 minutes on 2 cores)"
     bud "$repo" "$repo/Dockerfile" "$ref" "${args[@]}" || die "the Dockerfile failed to build (output above)"
     say "image built in $((SECONDS - t0)) s"
   fi
