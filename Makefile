@@ -65,7 +65,8 @@ test-all: setup
 
 # The tests on a real control plane (tests/e2e): builds or reuses etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler and the KubeRay operator (tools/controlplane/build.sh; cold about 20-30 minutes on 2 cores,
-# cached in $${FINETUNE_E2E_CACHE:-~/.cache/finetune-e2e}), starts them, runs the tests, stops them.
+# cached in $${FINETUNE_E2E_CACHE:-~/.cache/finetune-e2e}) and the image (make image, tests/e2e/test_image_built.py),
+# starts them, runs the tests, stops them.
 .PHONY: e2e
 e2e: setup
 	@# The pod runner (tests/e2e/podrunner.py) makes a network namespace per pod and binds volumes in a mount
@@ -73,13 +74,15 @@ e2e: setup
 	@for t in ip nsenter unshare mount; do command -v $$t >/dev/null || { echo "error: make e2e needs '$$t'" \
 	  "(Debian/Ubuntu: apt-get install iproute2 util-linux mount)" >&2; exit 2; }; done
 	@test "$$(id -u)" = 0 || { echo "error: make e2e runs pods in network and mount namespaces: run it as root" >&2; exit 2; }
-	@# Built here, outside pytest's output capture, so a cold build's progress shows; the suite then reuses it.
+	@# Built here, outside pytest's output capture, so a cold build's progress shows; the suite then reuses them.
+	bash tools/node/install.sh
 	bash tools/controlplane/build.sh >/dev/null
+	bash tools/image/build.sh >/dev/null
 	$(BIN)/pytest -q -m e2e tests/e2e
 
-# The real node (tests/e2e/node.py): containerd, runc, the CNI bridge, a kubelet, kube-proxy, CoreDNS and a
-# local registry on the same control plane, and restricted pods on it (tests/e2e/test_node.py). Opt-in while
-# make e2e runs its pods in podrunner; does not depend on setup (it uses the venv as it is). Root and Debian:
+# The real node alone (tests/e2e/node.py): containerd, runc, the CNI bridge, a kubelet, kube-proxy, CoreDNS and a
+# local registry on the same control plane, and restricted pods on it (tests/e2e/test_node.py, also part of
+# make e2e, whose other pods still run in podrunner); does not depend on setup (it uses the venv as it is). Root and Debian:
 # tools/node/install.sh installs containerd, runc, the CNI plugins, buildah, ... when missing (about 20 s).
 .PHONY: e2e-node
 e2e-node:
@@ -87,6 +90,16 @@ e2e-node:
 	bash tools/node/install.sh
 	bash tools/controlplane/build.sh >/dev/null
 	$(BIN)/pytest -q -m e2e tests/e2e/test_node.py
+
+# The image from the Dockerfile, built with buildah and pushed to a local registry (tools/image/build.sh): on a
+# stand-in base built here from Debian and PyPI, with torch from PyPI and without the fused-Adam prebuild, since
+# Docker Hub, PyTorch's index and nvcc are not available (docs/container.md). Needs root; installs buildah,
+# skopeo, docker-registry and debootstrap when missing. Cold about 30 minutes on 2 cores; cached by a key of
+# everything that goes into the image in $${FINETUNE_E2E_CACHE:-~/.cache/finetune-e2e}/image, so a warm run
+# (and make e2e) builds nothing. Prints IMAGE=localhost:5000/ray-finetune:VERSION, IMAGE_DIGEST=... at the end.
+.PHONY: image
+image:
+	bash tools/image/build.sh
 
 # Regenerates the committed lock from the current venv (same versions CI and the image install).
 lock: setup

@@ -213,7 +213,7 @@ def _edited_copy(tmp_path: Path, src: Path, old: str, new: str) -> Path:
 @pytest.mark.parametrize(
     "which, old, new, expect",
     [
-        ("dockerfile", "FROM rayproject/ray:2.60.0-", "FROM rayproject/ray:2.59.0-", "base image Ray 2.59.0"),
+        ("dockerfile", "}:2.60.0-py311-", "}:2.59.0-py311-", "base image Ray 2.59.0"),
         ("dockerfile", "ARG VERSION=", "ARG VERSION=9", "ARG VERSION=9"),
         ("dockerfile", "ARG TORCH_VERSION=", "ARG TORCH_VERSION=9", "TORCH_VERSION=9"),
         ("values", 'rayVersion: "', 'rayVersion: "9', "rayVersion '9"),
@@ -236,12 +236,35 @@ def test_base_image_is_rays_cuda_image_for_the_locked_python():
     assert m and m["arch"] is None, df["base"]  # the default build is x86_64
     # The lock is a pip freeze of the test venv: the image's Python minor must be the one the tests run on.
     assert (int(m["py"]), int(m["minor"])) == sys.version_info[:2], (df["base"], sys.version)
-    # torch's CUDA build is chosen by the same ARG as the base tag, so the two cannot drift apart.
+    # torch's CUDA build is chosen by the same ARG as the base tag, so the two cannot drift apart: by default from
+    # PyTorch's index for that CUDA (torch==X+cuXYZ); with TORCH_INDEX empty from PyPI (torch==X, one CUDA build),
+    # where the build's torch.version.cuda check still holds torch to the base's CUDA.
     assert df["global_args"]["CUDA"] == m["cuda"]
+    assert df["global_args"]["BASE_IMAGE"] == "rayproject/ray"
+    assert df["args"]["TORCH_INDEX"] == "https://download.pytorch.org/whl"
     torch_runs = [a for k, a in df["items"] if k == "RUN" and "torch==" in a]
-    assert len(torch_runs) == 1 and '"torch==${TORCH_VERSION}+${CUDA}"' in torch_runs[0]
-    assert "download.pytorch.org/whl/${CUDA}" in torch_runs[0]
-    assert "-c requirements.lock" in torch_runs[0]
+    assert len(torch_runs) == 1 and '"torch==${TORCH_VERSION}${TORCH_INDEX:++${CUDA}}"' in torch_runs[0]
+    assert '${TORCH_INDEX:+--extra-index-url "${TORCH_INDEX}/${CUDA}"}' in torch_runs[0]
+    assert "-c requirements.lock" in torch_runs[0] and "torch.version.cuda" in torch_runs[0]
+
+
+@pytest.mark.parametrize(
+    "torch_index, expect",
+    [
+        (
+            "https://download.pytorch.org/whl",
+            "--extra-index-url https://download.pytorch.org/whl/cu130 torch==2.13.0+cu130",
+        ),
+        ("", "torch==2.13.0"),
+    ],
+)
+def test_torch_source_is_a_build_argument(torch_index, expect):
+    """The torch RUN's pip arguments as bash expands them, for the default index and for PyPI alone."""
+    run = next(a for k, a in read_dockerfile(DOCKERFILE)["items"] if k == "RUN" and "torch==" in a)
+    words = re.search(r"pip install --no-cache-dir -c requirements.lock (.*?) \"setuptools==", run).group(1)
+    env = {"TORCH_INDEX": torch_index, "CUDA": "cu130", "TORCH_VERSION": "2.13.0", "PATH": os.environ["PATH"]}
+    out = subprocess.run(["bash", "-c", f"echo {words}"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == expect.split(), out.stdout
 
 
 # --- the Dockerfile's contract -------------------------------------------------------------------------
@@ -309,9 +332,14 @@ def test_runtime_user_has_no_sudo():
     runs = [a for k, a in items[root_at:user_at] if k == "RUN"]
     assert len(runs) == 1, runs
     script = runs[0]
-    for removal in ("sed -i '/^ray[[:space:]]/d' /etc/sudoers", "gpasswd -d ray sudo", "chmod u-s"):
+    for removal in (
+        "sed -i '/^ray[[:space:]]/d' /etc/sudoers",
+        "gpasswd -d ray sudo",
+        "find / -xdev -type f -perm /6000 -exec chmod ug-s {} +",
+    ):
         assert removal in script, removal
     assert "exit 1" in script and "NOPASSWD" in script, "the build checks that sudo is gone"
+    assert "find / -xdev -type f -perm /6000 -print -quit" in script, "the build checks that no setuid file is left"
     assert all(k != "RUN" for k, _ in items[user_at:]), "nothing runs as root or as the user after the switch"
     syntax = subprocess.run(["bash", "-n", "-c", script], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
@@ -353,9 +381,12 @@ def test_deepspeed_ops_are_prebuilt_for_ampere_and_hopper():
     ds_runs = [a for k, a in df["items"] if k == "RUN" and "DS_BUILD_" in a]
     assert len(ds_runs) == 1
     run = ds_runs[0]
+    # Fused Adam (CUDA) is prebuilt by default; BUILD_FUSED_ADAM=0 (builders without nvcc) leaves out that op alone.
+    assert df["args"]["BUILD_FUSED_ADAM"] == "1"
     for flag in (
         "DS_BUILD_CPU_ADAM=1",
-        "DS_BUILD_FUSED_ADAM=1",
+        'DS_BUILD_FUSED_ADAM="${BUILD_FUSED_ADAM}"',
+        'if [ "${BUILD_FUSED_ADAM}" = 1 ]; then ls "$ds"/ops/adam/fused_adam_op*.so; fi',
         "DS_ACCELERATOR=cuda",
         "--no-build-isolation",
         "-c requirements.lock \"$(grep '^deepspeed==' requirements.lock)\"",

@@ -5,8 +5,8 @@ Always) runs as uid 1000 with a read-only root, no effective capabilities, no_ne
 (read from /proc/self/status inside it); `kubectl logs` and `exec` go through the kubelet; Service names
 resolve through CoreDNS and ClusterIPs (`kubernetes` included) answer through kube-proxy; a hostPath
 PersistentVolume bound to a claim is writable through fsGroup only; a graceful delete delivers SIGTERM.
-Teardown must leave nothing behind. Opt-in (`make e2e-node`): `make e2e` still runs its pods in
-tests/e2e/podrunner.py.
+Teardown must leave nothing behind. Part of `make e2e` (alone: `make e2e-node`); the training pods of the other
+e2e tests still run in tests/e2e/podrunner.py.
 """
 
 from __future__ import annotations
