@@ -242,7 +242,7 @@ def preflight_problems(cfg: TrainingConfig) -> list[Problem]:
     """The data and storage checks, which need no model and no DeepSpeed config."""
     problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
     try:
-        problems += data.check_source(cfg.data)
+        problems += data.check_source(cfg.data, cfg.model)
     except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
         problems.append(
             Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files")
