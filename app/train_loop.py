@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, data, faults, logs, opbuild, preemption
+from app import checkpoint, data, faults, logs, lora, opbuild, preemption
 from app.config import TrainConfig, TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
@@ -109,7 +109,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         rank,
         world,
         dist.barrier,
-        lambda p: (model.config.save_pretrained(p), tokenizer.save_pretrained(p)),
+        lambda p: lora.save_files(model, tokenizer, p),
         lease_token,
         background=cfg.checkpoint.async_save,
         group=preempt.group,
