@@ -224,6 +224,10 @@ def check(
     problems += model_problems + compile_problems(cfg)
     if not problems and cfg.model.fp8 and mc is not None:
         problems += fp8_model_problems(cfg, mc)
+    if not problems and cfg.model.lora is not None and mc is not None:
+        from app import lora
+
+        problems += lora.preflight(cfg.model, mc)
     if problems:
         raise ConfigError(problems)
     if mc is None:

@@ -180,3 +180,27 @@ def test_a_bad_row_beyond_the_sample_ends_the_run_with_its_file_and_line(tok, tm
         data.prepare(cfg, tok, "tiny", tmp_path / "cache", 0, 0, barrier=lambda: None)
     assert caught.value.value == f"{path} line 5" and "has no assistant turn" in caught.value.message
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("tokenized-*"))
+
+
+def test_lora_target_modules_the_model_lacks_are_refused_before_the_cluster(tiny_model, tmp_path):
+    from app import driver
+    from app.config import ConfigError, parse, resolve
+
+    doc = {"model": {"name_or_path": str(tiny_model), "lora": {"target_modules": ["q_proj"]}}}
+    doc |= {"scaling": {"use_gpu": False}, "data": {"seq_length": 128}, "experiment": {"storage_path": str(tmp_path)}}
+    with pytest.raises(ConfigError) as caught:
+        driver.check(resolve(parse(doc)))
+    problem = next(p for p in caught.value.problems if p.field == "model.lora.target_modules")
+    assert "no module named 'q_proj'" in problem.message and "c_attn" in problem.fix
+    doc["model"]["lora"] = {"target_modules": "auto"}
+    assert not any(p.field.startswith("model.lora") for p in _problems(driver, parse, resolve, doc))
+
+
+def _problems(driver, parse, resolve, doc):
+    from app.config import ConfigError
+
+    try:
+        driver.check(resolve(parse(doc)))
+    except ConfigError as exc:
+        return exc.problems
+    return []
