@@ -4,6 +4,7 @@ of a LoRA checkpoint needs no GPU. One ZeRO-3 experiment serves every assertion;
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,13 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
     with torch.no_grad():
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits.float()
     assert torch.equal(exported, a) and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").exists()
+    # --model: the base weights from another copy of the base model.
+    copy = tmp_path / "base-copy"
+    shutil.copytree(tiny_model, copy)
+    done = run_cli("export", str(last), str(tmp_path / "out2"), "--model", str(copy))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "out2").eval()(ids).logits.float(), a)
 
 
 @pytest.mark.slow  # two more experiments of three runs each (zero3-offload also builds DeepSpeed's CPU Adam)
