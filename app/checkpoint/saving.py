@@ -95,10 +95,8 @@ def write(
         faults.maybe_pause("before_shards", step, rank, world, run_dir)
         with faults.pausing_engine(engine, step, rank, world, run_dir, in_loop=not background):
             # A LoRA run's checkpoint holds the adapters only: the frozen base is the model's own (app.lora).
-            frozen = lora.is_lora(engine.module)
-            engine.save_checkpoint(
-                str(path), tag=TAG, client_state=state, save_latest=True, exclude_frozen_parameters=frozen
-            )
+            adapters_only = {"exclude_frozen_parameters": True} if lora.is_lora(getattr(engine, "module", None)) else {}
+            engine.save_checkpoint(str(path), tag=TAG, client_state=state, save_latest=True, **adapters_only)
         torch.save(rng_state(), rng_file(path, rank))
         if rank == 0:
             hf_files(path / "hf")
