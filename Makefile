@@ -45,6 +45,12 @@ run: tiny
 	@echo "==> training: local Ray cluster, 2 CPU workers, ZeRO-3, 40 steps, then export (1-2 min; a first run also builds a DeepSpeed op, 1-2 min more)"
 	$(BIN)/finetune train examples/local-cpu.yaml
 
+# The chat example: LoRA on the bundled chat dataset, loss on the assistant turns only, merged final/ + final/adapter/.
+.PHONY: run-chat
+run-chat: tiny
+	@echo "==> chat SFT with LoRA: local Ray cluster, 2 CPU workers, ZeRO-3, 30 steps, then merge and export (1-2 min)"
+	$(BIN)/finetune train examples/local-cpu-chat.yaml
+
 # --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget.
 test: lint
 	$(BIN)/pytest -q -m "not slow and not e2e" --durations=15 tests

@@ -87,6 +87,17 @@ def _usable_path(v: str | None) -> str | None:
     return v
 
 
+class LoraConfig(Section):
+    r: int = Field(16, ge=1, le=4096, description="Rank of each adapter's low-rank update.")
+    alpha: float = Field(32, gt=0, le=1e6, description="Scale of the update (alpha / r multiplies it).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: Literal["auto"] | Annotated[list[str], Field(min_length=1)] = Field(
+        "auto",
+        description="Module names (or name suffixes) that get adapters; auto: the attention and MLP projections "
+        "of the model type (q/k/v/o, gate/up/down for Llama-style models, c_attn/c_proj/c_fc for GPT-2).",
+    )
+
+
 class ModelConfig(Section):
     name_or_path: str = Field("gpt2", description="Hugging Face hub name or a local from_pretrained folder.")
     tokenizer: str | None = Field(None, description="Tokenizer name or folder; default: name_or_path.")
@@ -117,6 +128,12 @@ class ModelConfig(Section):
         "8B's first step took 16 s longer. 2 x H200, Llama-3-8B: 1.20x the bf16 step, losses equal to "
         "0.1% (docs/benchmarks.md). On CPUs the FP8 matmuls are emulated, for tests.",
     )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train LoRA adapters (PEFT) instead of every weight: only the adapters are trainable and in the "
+        "optimizer; checkpoints hold the adapters and their optimizer state; final/ holds the merged model and "
+        "final/adapter/ the PEFT adapter. null: full fine-tuning.",
+    )
 
     @field_validator("name_or_path", "tokenizer")
     @classmethod
@@ -140,7 +157,24 @@ class DataConfig(Section):
     )
     config_name: str | None = Field(None, description="Hub dataset config name.")
     split: str = Field("train[:1%]", description="Split with the `datasets` slicing syntax.")
-    text_field: str = Field("text", description="Column holding the text to train on.")
+    text_field: str = Field("text", description="Column holding the text to train on (format text).")
+    format: Literal["auto", "text", "chat", "prompt_completion"] = Field(
+        "auto",
+        description="text: raw text, every token a target; chat: a 'messages' column of {role, content} lists "
+        "(roles system, user, assistant, tool) rendered with the chat template; prompt_completion: 'prompt' and "
+        "'completion' text columns; auto: chat when a 'messages' column exists, else prompt_completion when both "
+        "'prompt' and 'completion' do, else text (the choice is logged).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template, or the name of one shipped with the app (chatml, zephyr) for base models "
+        "whose tokenizer has none; null: the tokenizer's own.",
+    )
+    train_on_prompt: bool = Field(
+        False,
+        description="false: the loss covers only the assistant turns (or the completion), each ending with its "
+        "end-of-turn or EOS token; true: every token of the conversation.",
+    )
     eval_split: str | None = Field(None, description="Evaluation split (same syntax); excludes eval_fraction.")
     eval_fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this fraction of the train split for eval.")
     seq_length: int = Field(512, gt=0, le=MAX_SEQ_LENGTH, description="Tokens per sequence (block size when packing).")

@@ -7,6 +7,7 @@ restarted job does not tokenize again, and it is built once (by global rank 0) a
 from __future__ import annotations
 
 import difflib
+import functools
 import glob
 import hashlib
 import json
@@ -21,6 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from app import chat
 from app.config import DataConfig
 from app.errors import Problem, _short
 
@@ -60,9 +62,9 @@ def _saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())
 
 
-def check_source(cfg: DataConfig) -> list[Problem]:
+def check_source(cfg: DataConfig, model=None) -> list[Problem]:
     """What can be checked about the data source before any worker starts: that it exists, and, for local data,
-    its columns and a sample of its rows."""
+    its columns and a sample of its rows (chat rows rendered with the tokenizer of `model`, a ModelConfig)."""
     if not is_local(cfg.dataset):
         if looks_like_path(cfg.dataset):
             return [
@@ -76,7 +78,7 @@ def check_source(cfg: DataConfig) -> list[Problem]:
             ]
         return []  # a hub name: only the run can reach the hub
     if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
-        return _saved_problems(cfg)
+        return _saved_problems(cfg, model)
     try:
         files = _local_files(cfg.dataset)
     except TooManyFiles:
@@ -104,7 +106,53 @@ def check_source(cfg: DataConfig) -> list[Problem]:
                 "point it at files of one type",
             )
         ]
-    return _sample_problems(cfg, files, kinds.pop())
+    kind = kinds.pop()
+    chat_problems = _chat_sample_problems(cfg, files, kind, model)
+    return _sample_problems(cfg, files, kind) if chat_problems is None else chat_problems
+
+
+def _tokenizer_of(model):
+    from app.model import load_tokenizer
+
+    return lambda: load_tokenizer(model)
+
+
+def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -> list[Problem] | None:
+    """The chat or prompt/completion checks of the sampled rows (app.chat); None when the data is text."""
+    first = next((f for f in files[:SAMPLE_FILES] if os.path.getsize(f)), None)
+    if first is None or kind == "text":
+        return None
+    try:
+        columns = _read_sample(first, kind, "messages")[0]
+    except ValueError:
+        return None  # the text checks name the unreadable file
+    fmt = chat.resolve_format(cfg.format, columns or [])
+    if fmt == "text" or columns is None:
+        return None
+    rows = []
+    for file in files[:SAMPLE_FILES]:
+        if not os.path.getsize(file):
+            continue
+        try:
+            columns, *_ = _read_sample(file, kind, "messages")
+            values = {c: _read_sample(file, kind, c)[1] for c in chat.COLUMNS[fmt] if c in columns}
+        except ValueError as exc:
+            return [Problem("data.dataset", file, f"cannot be read as {kind}: {str(exc)[:200]}", "fix the file")]
+        if not values:
+            return [
+                Problem(
+                    "data.format",
+                    cfg.format,
+                    f"{file} has no column {' or '.join(map(repr, chat.COLUMNS[fmt]))}; its columns are {columns}",
+                    "set data.format to the format of the data (text reads data.text_field)",
+                )
+            ]
+        places = _row_places(file) if kind in ("json", "parquet") else []
+        count = max(len(v) for v in values.values())
+        for n in range(count):
+            where = f"{file} {places[n]}" if n < len(places) else f"{file} row {n + 1}"
+            rows.append((where, {c: v[n] if n < len(v) else None for c, v in values.items()}))
+    return chat.sample_problems(cfg, fmt, rows, _tokenizer_of(model))
 
 
 def looks_like_path(spec: str) -> bool:
@@ -254,7 +302,7 @@ def _json_sample(text: str, lines: list[str], complete: bool, field: str) -> tup
     raise ValueError("a JSON document must be a list of objects or an object of column lists")
 
 
-def _saved_problems(cfg: DataConfig) -> list[Problem]:
+def _saved_problems(cfg: DataConfig, model=None) -> list[Problem]:
     import datasets
 
     try:
@@ -273,6 +321,10 @@ def _saved_problems(cfg: DataConfig) -> list[Problem]:
         if name not in loaded:
             return [Problem("data.split", cfg.split, f"no split '{name}'; it has {list(loaded)}", "use one of them")]
         loaded = loaded[name]
+    if (fmt := chat.resolve_format(cfg.format, loaded.column_names)) != "text":
+        sample = loaded.select(range(min(len(loaded), SAMPLE_ROWS))).to_list()
+        rows = [(f"row {n + 1} of {cfg.dataset}", row) for n, row in enumerate(sample)]
+        return chat.sample_problems(cfg, fmt, rows, _tokenizer_of(model))
     field = cfg.text_field
     if field not in loaded.column_names:
         return [
@@ -387,6 +439,30 @@ def _slice(n: int, spec: str) -> range:
     return range(pos(lo, 0), min(pos(hi, n), n))
 
 
+def row_location(dataset: str, split: str | None, index: int) -> str:
+    """Where row `index` of a split comes from, for error messages: 'FILE line N' (JSON Lines) or 'FILE row N'
+    (parquet) for local files, else its place in the split. Read only when a row is refused."""
+    fallback = f"row {index + 1} of split {split}" if split else f"row {index + 1}"
+    if split is None or not is_local(dataset) or _saved_dataset(Path(os.path.expanduser(dataset))):
+        return fallback
+    files = _local_files(dataset)
+    if LOCAL_BUILDERS[Path(files[0]).suffix] not in ("json", "parquet"):
+        return fallback
+    places = [(file, place) for file in files for place in _row_places(file)]
+    rest = split.partition("[")[2]
+    index += _slice(len(places), rest).start if rest else 0
+    return f"{places[index][0]} {places[index][1]}" if index < len(places) else fallback
+
+
+def _row_places(file: str) -> list[str]:
+    if file.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return [f"row {n + 1}" for n in range(pq.ParquetFile(file).metadata.num_rows)]
+    with open(file, encoding="utf-8", errors="replace") as f:
+        return [f"line {n + 1}" for n, line in enumerate(f) if line.strip()]
+
+
 def cache_key(cfg: DataConfig, tokenizer_name: str, split: str, seed: int) -> str:
     fields = [
         cfg.dataset,
@@ -400,12 +476,26 @@ def cache_key(cfg: DataConfig, tokenizer_name: str, split: str, seed: int) -> st
         tokenizer_name,
         seed,
         "v1",
+        *chat.cache_fields(cfg),
     ]
     return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()[:16]
 
 
 def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
-    """Token ids and labels. Packed: full seq_length blocks. Padded: labels are -100 on padding."""
+    """Token ids and labels. Packed: full seq_length blocks. Padded: labels are -100 on padding. Chat and
+    prompt/completion rows: app.chat (labels on the assistant turns or the completion)."""
+    num_proc = num_proc or min(8, os.cpu_count() or 1)
+    if len(raw) < 4 * num_proc * 1000:
+        num_proc = None  # process start-up would cost more than it saves
+    if (fmt := chat.resolve_format(cfg.format, raw.column_names)) != "text":
+        # A split numbered by prepare() is the training split; one numbered here is the eval split.
+        split = cfg.split if chat.ROW in raw.column_names else cfg.eval_split
+        locate = functools.partial(row_location, cfg.dataset, split)
+        if chat.ROW not in raw.column_names:
+            raw = raw.add_column(chat.ROW, list(range(len(raw))))
+        out = chat.tokenize(raw, tokenizer, cfg, fmt, locate, num_proc)
+        out.set_format("torch", columns=out.column_names)
+        return out
     if cfg.text_field not in raw.column_names:
         raise Problem(
             "data.text_field",
@@ -415,9 +505,6 @@ def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
         )
     eos = tokenizer.eos_token_id
     seq = cfg.seq_length
-    num_proc = num_proc or min(8, os.cpu_count() or 1)
-    if len(raw) < 4 * num_proc * 1000:
-        num_proc = None  # process start-up would cost more than it saves
 
     if cfg.packing:
 
@@ -462,8 +549,14 @@ def prepare(
     key = cache_key(cfg, tokenizer_name, cfg.split, seed)
     final = cache_dir / f"tokenized-{key}"
     if rank == 0 and not (final / "done").exists():
-        raw = drop_empty(load_split(cfg, cfg.split), cfg.text_field, "training")
-        evalset = drop_empty(load_split(cfg, cfg.eval_split), cfg.text_field, "eval") if cfg.eval_split else None
+        raw, evalset = load_split(cfg, cfg.split), load_split(cfg, cfg.eval_split) if cfg.eval_split else None
+        fmt = chat.resolve_format(cfg.format, raw.column_names)
+        log.info(f"data format: {fmt}" + (" (data.format auto, from the columns)" if cfg.format == "auto" else ""))
+        if fmt == "text":
+            raw = drop_empty(raw, cfg.text_field, "training")
+            evalset = drop_empty(evalset, cfg.text_field, "eval") if evalset is not None else None
+        else:  # numbered before the eval split takes rows out, so that a bad row is named by its place in the file
+            raw = raw.add_column(chat.ROW, list(range(len(raw))))
         if cfg.text_field in raw.column_names and len(raw) == 0:
             raise Problem(
                 "data.text_field",
@@ -496,9 +589,8 @@ def prepare(
         os.replace(tmp, final)
     barrier()
     loaded = datasets.load_from_disk(str(final))
-    columns = COLUMNS_PACKED if cfg.packing else COLUMNS_PADDED
     for split in loaded:
-        loaded[split].set_format("torch", columns=columns)
+        loaded[split].set_format("torch", columns=loaded[split].column_names)
     return loaded["train"], loaded.get("eval")
 
 
@@ -533,13 +625,16 @@ def document_starts(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return starts
 
 
-def packed_batch(input_ids: torch.Tensor, labels: torch.Tensor, eos_id: int) -> dict[str, Any]:
+def packed_batch(
+    input_ids: torch.Tensor, labels: torch.Tensor, eos_id: int, starts: torch.Tensor | None = None
+) -> dict[str, Any]:
     """A batch of packed blocks whose documents stay apart: per-document `position_ids` (0 at each document's
     first token), no loss on a document's first token (it would be predicted from the previous document's
     EOS), and the flattened batch's document boundaries for variable-length attention (`cu_seq_lens_*`,
-    `max_length_*`: the names transformers' FlashAttention path reads; app.attention uses them on GPUs)."""
+    `max_length_*`: the names transformers' FlashAttention path reads; app.attention uses them on GPUs).
+    `starts`: where documents begin, when not after each EOS (packed conversations, whose turns end with EOS)."""
     rows, seq = input_ids.shape
-    starts = document_starts(input_ids, eos_id)
+    starts = document_starts(input_ids, eos_id) if starts is None else starts
     index = torch.arange(seq).expand(rows, seq)
     position_ids = index - torch.where(starts, index, 0).cummax(dim=1).values
     bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows * seq])]).to(torch.int32)
@@ -562,8 +657,10 @@ class PackedCollator:
         self.eos_id = eos_id
 
     def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        # Packed conversations (app.chat) carry their position ids: each conversation starts at 0.
+        starts = torch.stack([r["position_ids"] for r in rows]) == 0 if "position_ids" in rows[0] else None
         return packed_batch(
-            torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows]), self.eos_id
+            torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows]), self.eos_id, starts
         )
 
 

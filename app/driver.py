@@ -228,6 +228,10 @@ def check(
     problems += model_problems + compile_problems(cfg)
     if not problems and cfg.model.fp8 and mc is not None:
         problems += fp8_model_problems(cfg, mc)
+    if not problems and cfg.model.lora is not None and mc is not None:
+        from app import lora
+
+        problems += lora.preflight(cfg.model, mc)
     if problems:
         raise ConfigError(problems)
     if mc is None:
@@ -246,7 +250,7 @@ def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Proble
     """The data, storage, model-file and DeepSpeed-block checks, which need no model config and no cluster."""
     problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
     try:
-        problems += data.check_source(cfg.data)
+        problems += data.check_source(cfg.data, cfg.model)
     except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
         problems.append(
             Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files")

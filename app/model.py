@@ -151,6 +151,10 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if cfg.lora is not None:
+        from app import lora
+
+        model = lora.wrap(model, cfg.lora, path)
     return model
 
 

@@ -15,14 +15,13 @@ import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, data, faults, logs, opbuild, preemption
+from app import checkpoint, data, faults, logs, lora, opbuild, preemption
 from app.config import TrainConfig, TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
@@ -64,7 +63,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate)
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
     preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
-    hf_files = functools.partial(save_hf_files, model, tokenizer)
+    hf_files = functools.partial(lora.save_files, model, tokenizer)
     saver = checkpoint.Saver(
         engine, rank, world, dist.barrier, hf_files, lease_token, cfg.checkpoint.async_save, preempt.group
     )
@@ -144,12 +143,6 @@ def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: in
     log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
     marks["engine"] = time.time()
     return model, engine
-
-
-def save_hf_files(model, tokenizer, folder: Path) -> None:
-    """What a checkpoint holds for Hugging Face besides the weights: the model's config and the tokenizer."""
-    model.config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 def start_metrics(model, cfg: TrainingConfig, total_steps: int, position: dict[str, Any], world: int, marks: dict):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from app import lora
 from app.checkpoint.layout import STATE_FILE, TAG, read_state
 
 
@@ -17,10 +18,11 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: 
 
     `checkpoint` is one of this app's checkpoint folders, or any DeepSpeed save_dir (with a `latest` file or
     one tag folder); for the latter, `model_source` names the model folder or hub name that gives the config
-    and tokenizer.
+    and tokenizer. A LoRA checkpoint (app.lora) gives the merged model and `adapter/`; its base weights are read
+    where the run read them, or from `model_source`.
     """
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     checkpoint, out = Path(checkpoint), Path(out)
     ours = (checkpoint / TAG).is_dir()
@@ -41,6 +43,10 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: 
     state = read_state(checkpoint) if (checkpoint / STATE_FILE).exists() else {}
     dtype = dtype or state.get("precision", "bf16")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    if ours and lora.is_lora_checkpoint(checkpoint / "hf"):  # adapters only; `model_source`: another copy of the base
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag, exclude_frozen_parameters=True)
+        hf = checkpoint / "hf"
+        return _publish(out, lambda tmp: lora.export(weights, hf, tmp, torch_dtype, model_source), hf)
     weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
@@ -51,9 +57,16 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: 
     if missing:
         raise RuntimeError(f"checkpoint {checkpoint} lacks weights for {missing[:5]}")
     model = model.to(torch_dtype)
+    return _publish(out, lambda tmp: model.save_pretrained(tmp, safe_serialization=True), source)
+
+
+def _publish(out: Path, write, source) -> Path:
+    """`write(folder)` and the tokenizer into a temp folder, which then replaces `out` whole."""
+    from transformers import AutoTokenizer
+
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    write(tmp)
     AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
     if out.exists():
         shutil.rmtree(out)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from app import lora
 from app.checkpoint import formats
 from app.checkpoint.layout import (
     OUR_NAMES,
@@ -312,7 +313,11 @@ def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
     try:
         with formats.loading_universal(engine, universal):
             load_path, _ = engine.load_checkpoint(
-                str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+                str(path),
+                tag=tag,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+                load_module_strict=not lora.is_lora(engine.module),  # LoRA: the adapters only (app.lora)
             )
         if load_path is None:
             raise RuntimeError("DeepSpeed found nothing to load")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app import faults, lease
+from app import faults, lease, lora
 from app.checkpoint import background as background_mod
 from app.checkpoint import formats
 from app.checkpoint.layout import (
@@ -94,7 +94,9 @@ def write(
             path.mkdir(parents=True, exist_ok=True)
         faults.maybe_pause("before_shards", step, rank, world, run_dir)
         with faults.pausing_engine(engine, step, rank, world, run_dir, in_loop=not background):
-            engine.save_checkpoint(str(path), tag=TAG, client_state=state, save_latest=True)
+            # A LoRA run's checkpoint holds the adapters only: the frozen base is the model's own (app.lora).
+            adapters_only = {"exclude_frozen_parameters": True} if lora.is_lora(getattr(engine, "module", None)) else {}
+            engine.save_checkpoint(str(path), tag=TAG, client_state=state, save_latest=True, **adapters_only)
         torch.save(rng_state(), rng_file(path, rank))
         if rank == 0:
             hf_files(path / "hf")

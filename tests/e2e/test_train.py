@@ -396,3 +396,27 @@ def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, pod_ru
     )
     first, second = runs(run)
     assert 10 <= first[-1] < 15 and 10 < second[0] <= 10 + log_every(), (first, second)
+
+
+def test_chat_sft_with_lora_trains_and_exports_the_adapter(cluster, namespace, pod_runner, tiny_model):
+    """examples/values-cpu.yaml made a chat SFT with LoRA (the bundled chat dataset, zephyr template): the job
+    succeeds, final/ is the merged model and final/adapter/ the PEFT adapter, which agree."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ns = namespace
+    claim = put_model(pod_runner, ns, "ft", tiny_model)
+    chat = {
+        "data": {"dataset": "examples/data/tiny-chat.jsonl", "chat_template": "zephyr", "seq_length": 128},
+        "model": {"lora": {"r": 8, "alpha": 16}},
+    }
+    install(cluster, ns, [f"training={json.dumps(chat)}"])
+    assert_trained(cluster, pod_runner, ns, "ft", claim)
+    final = claim / "ft" / "final"
+    base = AutoModelForCausalLM.from_pretrained(claim / "tiny-gpt2")
+    adapted = PeftModel.from_pretrained(base, final / "adapter").eval()
+    ids = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(final).eval()(ids).logits.float()
+        assert torch.allclose(merged, adapted(ids).logits.float(), atol=5e-2)

@@ -1,0 +1,206 @@
+"""Chat and prompt/completion data: rendering as apply_chat_template does, the label mask of hand-made conversations
+(packed and unpacked), truncation at a turn boundary, and bad rows refused with their file and line. No Ray."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+
+import pytest
+import torch
+from conftest import REPO
+from test_packing import per_token_losses
+from transformers import AutoTokenizer
+
+from app import chat, data
+from app.config import DataConfig, ModelConfig
+from app.errors import Problem
+from app.model import load_model
+
+EOS = "<|endoftext|>"  # the tiny tokenizer's EOS
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Who won the match?"},
+    {"role": "assistant", "content": "The home team."},
+    {"role": "tool", "content": "score: 2-1"},
+    {"role": "user", "content": "And the score?"},
+    {"role": "assistant", "content": "Two to one."},
+]
+# The zephyr rendering of CONVERSATION, piece by piece: (text, whether its tokens are targets).
+EXPECTED = [
+    (f"<|system|>\nBe brief.{EOS}\n<|user|>\nWho won the match?{EOS}\n<|assistant|>\n", False),
+    (f"The home team.{EOS}", True),
+    (f"\n<|tool|>\nscore: 2-1{EOS}\n<|user|>\nAnd the score?{EOS}\n<|assistant|>\n", False),
+    (f"Two to one.{EOS}", True),
+    ("\n", False),
+]
+# The same layout without {% generation %} blocks: the mask then comes from rendering turn by turn.
+PLAIN_ZEPHYR = chat.TEMPLATES["zephyr"].replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def runs(tok, ids: list[int], labels: list[int]) -> list[tuple[str, bool]]:
+    """The tokens decoded in runs of equal target-ness."""
+    pairs = [(i, lab != -100) for i, lab in zip(ids, labels) if i is not None]
+    return [(tok.decode([i for i, _ in group]), keep) for keep, group in itertools.groupby(pairs, key=lambda p: p[1])]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def tokenized(tok, tmp_path, rows, **cfg):
+    cfg = DataConfig(dataset=write_jsonl(tmp_path / "chat.jsonl", rows), split="train", **cfg)
+    return cfg, data.tokenize(data.load_split(cfg, cfg.split), tok, cfg)
+
+
+@pytest.mark.parametrize("template", ["zephyr", PLAIN_ZEPHYR], ids=["generation-blocks", "turn-by-turn"])
+def test_labels_are_the_assistant_turns_with_their_end_token(tok, template):
+    ids, labels, ends = chat.encode_chat(CONVERSATION, chat.TEMPLATES.get(template, template), tok, False)
+    assert (
+        ids == tok.apply_chat_template(CONVERSATION, chat_template=chat.TEMPLATES.get(template, template))["input_ids"]
+    )
+    assert runs(tok, ids, labels) == EXPECTED
+    assert [ids[e - 1] for e in ends] == [tok.eos_token_id] * 2  # each turn's last target is EOS
+    _, everything, _ = chat.encode_chat(CONVERSATION, chat.TEMPLATES["zephyr"], tok, True)
+    assert everything == ids  # train_on_prompt: every token
+
+
+def test_prompt_completion_labels_are_the_completion_and_eos(tok):
+    ids, labels, ends = chat.encode_prompt_completion("Q: who won?\nA:", " The home team.", tok, False)
+    assert runs(tok, ids, labels) == [("Q: who won?\nA:", False), (f" The home team.{EOS}", True)]
+    assert ends == [len(ids)] and chat.encode_prompt_completion("Q", " A", tok, True)[1][0] != -100
+
+
+def test_format_auto_follows_the_columns():
+    assert chat.resolve_format("auto", ["messages", "id"]) == "chat"
+    assert chat.resolve_format("auto", ["prompt", "completion"]) == "prompt_completion"
+    assert chat.resolve_format("auto", ["prompt", "text"]) == "text"
+    assert chat.resolve_format("text", ["messages"]) == "text"
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_dataset_labels_keep_each_conversation_and_its_mask(tok, tmp_path, packing):
+    second = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    rows = [{"messages": CONVERSATION}, {"messages": second}, {"prompt": "x", "completion": "y"}]
+    cfg, ds = tokenized(tok, tmp_path, rows[:2], seq_length=192, packing=packing, chat_template="zephyr")
+    alone = [chat.encode_chat(r["messages"], chat.TEMPLATES["zephyr"], tok, False)[:2] for r in rows[:2]]
+    if not packing:
+        assert len(ds) == 2 and set(ds.column_names) == {"input_ids", "attention_mask", "labels"}
+        for row, (ids, labels) in zip(ds, alone):
+            n = int(row["attention_mask"].sum())
+            assert row["input_ids"][:n].tolist() == ids and row["labels"][:n].tolist() == labels
+            assert (row["labels"][n:] == -100).all() and len(row["input_ids"]) == 192
+        return
+    # Both fit one block: each conversation from position 0, its labels intact (a start is never a target), padding
+    # after them (no loss), and the collator's boundaries at each conversation's start.
+    assert len(ds) == 1 and set(ds.column_names) == {"input_ids", "labels", "position_ids"}
+    batch = data.collator(cfg, tok)([ds[0]])
+    n1, n2 = len(alone[0][0]), len(alone[1][0])
+    assert batch["input_ids"][0, : n1 + n2].tolist() == alone[0][0] + alone[1][0]
+    assert batch["position_ids"][0].tolist() == [*range(n1), *range(n2), *range(192 - n1 - n2)]
+    assert batch["labels"][0].tolist() == alone[0][1] + [-100] + alone[1][1][1:] + [-100] * (192 - n1 - n2)
+    assert batch["cu_seq_lens_q"].tolist() == [0, n1, n1 + n2, 192]
+    assert runs(tok, batch["input_ids"][0, :n1].tolist(), batch["labels"][0, :n1].tolist()) == EXPECTED
+
+
+def test_packed_conversations_compute_what_each_computes_alone(tok, tiny_model, tmp_path):
+    rows = [json.loads(line) for line in (REPO / "examples/data/tiny-chat.jsonl").read_text().splitlines()[:12]]
+    cfg, ds = tokenized(tok, tmp_path, rows, seq_length=256, chat_template="zephyr")
+    batch = data.collator(cfg, tok)([ds[i] for i in range(2)])
+    model = load_model(ModelConfig(name_or_path=str(tiny_model)), {}, separate_documents=True).eval()
+    packed = per_token_losses(model, batch)
+    starts = (batch["position_ids"] == 0).nonzero().tolist() + [[r, 256] for r in range(2)]
+    compared = 0
+    for (row, lo), (row2, hi) in itertools.pairwise(sorted(starts)):
+        if row != row2 or hi - lo < 2 or (batch["labels"][row, lo:hi] == -100).all():
+            continue
+        piece = {k: batch[k][row, lo:hi][None] for k in ("input_ids", "labels")}
+        torch.testing.assert_close(packed[row, lo : hi - 1], per_token_losses(model, piece)[0], equal_nan=True)
+        compared += 1
+    assert compared >= 3
+
+
+def test_long_conversations_are_cut_at_a_turn_boundary_or_dropped(tok, tmp_path, caplog):
+    first_turn = chat.encode_chat(CONVERSATION, chat.TEMPLATES["zephyr"], tok, False)[2][0]  # through its EOS
+    long_first = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
+    rows = [{"messages": CONVERSATION}, {"messages": long_first}]
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        _, ds = tokenized(tok, tmp_path, rows, seq_length=first_turn + 3, packing=False, chat_template="zephyr")
+    assert len(ds) == 1  # the conversation whose first answer does not fit is dropped
+    row = ds[0]
+    assert int(row["attention_mask"].sum()) == first_turn  # cut after the first assistant turn's EOS
+    assert runs(tok, row["input_ids"][:first_turn].tolist(), row["labels"][:first_turn].tolist()) == EXPECTED[:2]
+    assert "1 truncated at a turn boundary, 1 dropped" in caplog.text
+
+
+BAD_ROWS = [
+    ({"text": "no messages"}, "has no 'messages'"),
+    ({"messages": [{"role": "bot", "content": "hi"}]}, "message 0 has role 'bot'"),
+    ({"messages": [{"role": "user", "content": ["a", "list"]}]}, "has content ['a', 'list'], not text"),
+    ({"messages": []}, "has an empty conversation"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "has no assistant turn"),
+]
+
+
+@pytest.mark.parametrize("row,message", BAD_ROWS, ids=["no-messages", "role", "content", "empty", "no-assistant"])
+def test_bad_rows_are_refused_before_the_cluster_with_file_and_line(tmp_path, tiny_model, row, message):
+    good = {"messages": CONVERSATION}
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, good, row])
+    cfg = DataConfig(dataset=path, split="train", format="chat", chat_template="zephyr")
+    problems = data.check_source(cfg, ModelConfig(name_or_path=str(tiny_model)))
+    assert [(p.field, p.value) for p in problems] == [("data.dataset", f"{path} line 3")], problems
+    assert message in problems[0].message and problems[0].fix
+
+
+def test_a_template_that_fails_is_refused_with_the_row(tmp_path, tiny_model):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    model = ModelConfig(name_or_path=str(tiny_model))
+    failing = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{% endfor %}"
+    for template, says in [(failing, "no tools"), ("chatml", "not with a special token"), (None, "no chat template")]:
+        problems = data.check_source(DataConfig(dataset=path, split="train", chat_template=template), model)
+        assert len(problems) == 1 and problems[0].field == "data.chat_template", problems
+        assert says in problems[0].message, problems[0]
+    assert data.check_source(DataConfig(dataset=path, split="train", chat_template="zephyr"), model) == []
+
+
+def test_a_bad_row_beyond_the_sample_ends_the_run_with_its_file_and_line(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "SAMPLE_ROWS", 2)
+    rows = [{"messages": CONVERSATION}] * 3 + [{"messages": [{"role": "user", "content": "hi"}]}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}, *rows])
+    cfg = DataConfig(dataset=path, split="train", chat_template="zephyr")
+    assert data.check_source(cfg) == []  # the sample is clean
+    with pytest.raises(Problem) as caught:
+        data.prepare(cfg, tok, "tiny", tmp_path / "cache", 0, 0, barrier=lambda: None)
+    assert caught.value.value == f"{path} line 5" and "has no assistant turn" in caught.value.message
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("tokenized-*"))
+
+
+def test_lora_target_modules_the_model_lacks_are_refused_before_the_cluster(tiny_model, tmp_path):
+    from app import driver
+    from app.config import ConfigError, parse, resolve
+
+    doc = {"model": {"name_or_path": str(tiny_model), "lora": {"target_modules": ["q_proj"]}}}
+    doc |= {"scaling": {"use_gpu": False}, "data": {"seq_length": 128}, "experiment": {"storage_path": str(tmp_path)}}
+    with pytest.raises(ConfigError) as caught:
+        driver.check(resolve(parse(doc)))
+    problem = next(p for p in caught.value.problems if p.field == "model.lora.target_modules")
+    assert "no module named 'q_proj'" in problem.message and "c_attn" in problem.fix
+    doc["model"]["lora"] = {"target_modules": "auto"}
+    assert not any(p.field.startswith("model.lora") for p in _problems(driver, parse, resolve, doc))
+
+
+def _problems(driver, parse, resolve, doc):
+    from app.config import ConfigError
+
+    try:
+        driver.check(resolve(parse(doc)))
+    except ConfigError as exc:
+        return exc.problems
+    return []

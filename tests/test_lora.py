@@ -1,0 +1,118 @@
+"""Chat SFT with LoRA on real Ray Train and DeepSpeed (CPU): only the adapters train and are checkpointed, a stopped
+run resumes at the exact batch, final/ is the merged model and final/adapter/ the PEFT adapter, and `finetune export`
+of a LoRA checkpoint needs no GPU. One ZeRO-3 experiment serves every assertion; the other stages are slow tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, losses, run_cli, tiny_overrides
+
+CHAT = {
+    "data.dataset": str(REPO / "examples/data/tiny-chat.jsonl"),
+    "data.seq_length": 128,
+    "data.chat_template": "zephyr",
+    "model.lora": "{r: 8, alpha: 16}",
+    "train.max_steps_per_epoch": 8,
+    "train.log_every_steps": 1,
+    "model.dropout": 0.1,
+}
+
+
+def train(storage: Path, name: str, model: Path, **extra) -> str:
+    result = run_cli("train", *tiny_overrides(storage, name, model, **{**CHAT, **extra}))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout + result.stderr
+
+
+def stop_and_resume(storage: Path, model: Path, **extra) -> tuple[str, str]:
+    """The run stopped after step 3, then resumed by a new driver (exporting final/ at its end)."""
+    stopped = train(storage, "resumed", model, **extra, **{"train.stop_after_steps": 3})
+    resumed = train(storage, "resumed", model, **extra, **{"checkpoint.export_final": True})
+    return stopped, resumed
+
+
+def assert_resumed_exactly(storage: Path, resumed: str) -> None:
+    assert "at global step 3 (epoch 0, step 3 of the epoch)" in resumed, resumed[-3000:]
+    full, part = losses(storage / "full"), losses(storage / "resumed")
+    assert sorted(part) == list(range(1, 9)) and full[8] < 0.95 * full[1], (full, part)
+    worst = max(abs(full[s] - part[s]) for s in range(4, 9))
+    assert worst <= 1e-5, {s: (full[s], part[s]) for s in range(4, 9)}
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory, tiny_model):
+    storage = tmp_path_factory.mktemp("storage")
+    full = train(storage, "full", tiny_model)
+    return storage, full, *stop_and_resume(storage, tiny_model)
+
+
+def test_only_the_adapters_train_and_are_checkpointed(zero3, tiny_model):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    storage, full, _, resumed = zero3
+    assert "LoRA r=8 on " in full and "of 165,632 parameters train" in full, full[-3000:]
+    assert "data format: chat (data.format auto, from the columns)" in full
+    assert_resumed_exactly(storage, resumed)
+    last = sorted((storage / "resumed" / "checkpoints").iterdir())[-1]
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(last), tag="ds", exclude_frozen_parameters=True)
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), sorted(weights)[:5]
+    # The adapters, their optimizer state and the rest: far less than the base model's own weights.
+    saved = sum(f.stat().st_size for f in (last / "ds").iterdir())
+    assert saved < (tiny_model / "model.safetensors").stat().st_size, saved
+
+
+def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    storage, *_ = zero3
+    final = storage / "resumed" / "final"
+    ids = torch.arange(1, 33)[None]
+    merged = AutoModelForCausalLM.from_pretrained(final)
+    assert merged.dtype == torch.bfloat16 and not any("lora" in k for k in merged.state_dict())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), final / "adapter").eval()
+    with torch.no_grad():
+        a, b, untrained = (m(ids).logits.float() for m in (merged.eval(), adapted, base.eval()))
+    assert not torch.allclose(a, untrained, atol=5e-2)  # the adapters changed the model
+    assert torch.allclose(a, b, atol=5e-2), (a - b).abs().max()  # bf16 merged against fp32 base + adapter
+    # `finetune export` of the LoRA checkpoint, with no GPU visible: the same folder as final/.
+    last = sorted((storage / "resumed" / "checkpoints").iterdir())[-1]
+    done = run_cli("export", str(last), str(tmp_path / "out"), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits.float()
+    assert torch.equal(exported, a) and (tmp_path / "out" / "adapter" / "adapter_model.safetensors").exists()
+    # --model: the base weights from another copy of the base model.
+    copy = tmp_path / "base-copy"
+    shutil.copytree(tiny_model, copy)
+    done = run_cli("export", str(last), str(tmp_path / "out2"), "--model", str(copy))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "out2").eval()(ids).logits.float(), a)
+
+
+@pytest.mark.slow  # two more experiments of three runs each (zero3-offload also builds DeepSpeed's CPU Adam)
+@pytest.mark.parametrize(
+    "stage",
+    [
+        pytest.param({"deepspeed.zero_optimization.stage": 2}, id="zero2"),
+        pytest.param(
+            {
+                "deepspeed.zero_optimization.offload_optimizer": "{device: cpu}",
+                "deepspeed.zero_optimization.offload_param": "{device: cpu}",
+            },
+            id="zero3-offload",
+        ),
+    ],
+)
+def test_other_stages_resume_exactly(stage, tmp_path, tiny_model):
+    full = train(tmp_path, "full", tiny_model, **stage)
+    assert "parameters train" in full
+    _, resumed = stop_and_resume(tmp_path, tiny_model, **stage)
+    assert_resumed_exactly(tmp_path, resumed)
+    assert (tmp_path / "resumed" / "final" / "adapter" / "adapter_config.json").exists()
