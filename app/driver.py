@@ -22,7 +22,7 @@ from typing import Any
 from app import data, ds_config, logs, preemption, preflight
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
-from app.model import check_seq_length, load_model_config, model_facts, model_source
+from app.model import check_seq_length, load_model_config, lora_problems, model_facts, model_source
 
 log = logging.getLogger("finetune")
 DS_CONFIG_RECORD = "ds_config.json"
@@ -229,9 +229,7 @@ def check(
     if not problems and cfg.model.fp8 and mc is not None:
         problems += fp8_model_problems(cfg, mc)
     if not problems and cfg.model.lora is not None and mc is not None:
-        from app import lora
-
-        problems += lora.preflight(cfg.model, mc)
+        problems += lora_problems(cfg.model, mc)
     if problems:
         raise ConfigError(problems)
     if mc is None:

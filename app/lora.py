@@ -115,26 +115,3 @@ def export(weights: dict[str, torch.Tensor], hf: Path, out: Path, dtype, base: s
     merged = model.merge_and_unload()  # in fp32, then cast once
     assert not isinstance(merged, PeftModel)
     merged.to(dtype).save_pretrained(out, safe_serialization=True)
-
-
-def preflight(cfg, model_config) -> list[Problem]:
-    """model.lora's problems before any cluster starts: adapters over random weights (nothing to export them onto),
-    and target_modules the model does not have (found on the meta-device model)."""
-    from app.model import RANDOM_INIT, meta_model
-
-    if cfg.name_or_path.startswith(RANDOM_INIT):
-        return [
-            Problem(
-                "model.lora",
-                cfg.lora.model_dump(),
-                f"adapters over the random weights of {cfg.name_or_path}: no base model to merge or resume them on",
-                "set model.lora: null, or name_or_path a pretrained model",
-            )
-        ]
-    model = meta_model(model_config, cfg.trust_remote_code)
-    try:
-        if model is not None:
-            target_modules(model, cfg.lora.target_modules)
-    except Problem as problem:
-        return [problem]
-    return []

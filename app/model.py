@@ -283,3 +283,26 @@ def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int):
 
     name = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler, cfg.lr_scheduler)
     return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)
+
+
+def lora_problems(cfg: ModelConfig, model_config) -> list[Problem]:
+    """model.lora's problems before any cluster starts: adapters over random weights (nothing to export them onto),
+    and target_modules the model does not have (found on the meta-device model)."""
+    from app import lora
+
+    if cfg.name_or_path.startswith(RANDOM_INIT):
+        return [
+            Problem(
+                "model.lora",
+                cfg.lora.model_dump(),
+                f"adapters over the random weights of {cfg.name_or_path}: no base model to merge or resume them on",
+                "set model.lora: null, or name_or_path a pretrained model",
+            )
+        ]
+    model = meta_model(model_config, cfg.trust_remote_code)
+    try:
+        if model is not None:
+            lora.target_modules(model, cfg.lora.target_modules)
+    except Problem as problem:
+        return [problem]
+    return []
