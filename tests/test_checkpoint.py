@@ -17,7 +17,7 @@ from k8s_support import REPO
 from app.checkpoint import formats
 
 PINS = dict(
-    re.match(r"^([a-z]+)(?:\[\w+\])?==(.+)$", dep).groups()
+    re.match(r"^([A-Za-z0-9_.-]+)(?:\[\w+\])?==(.+)$", dep).groups()
     for dep in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     if "==" in dep
 )
