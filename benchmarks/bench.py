@@ -658,14 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         log_path = work / "logs" / f"{case.name}.log"
         log_path.unlink(missing_ok=True)
-        try:
-            row.update(_knobs(doc, shape, cfg_path, case.runner))
-        except ConfigError as exc:  # refused by the app's preflight (e.g. a combination known to fail)
-            row["error"] = f"invalid config: {exc}"
-            print(f"-- {case.name}: {row['error']}", flush=True)
-            _emit(out, row, results)
-            continue
-        if case.weights:
+        if case.weights:  # before the app's checks, which refuse a model folder without its weights
             made = subprocess.run(
                 [sys.executable, "-m", "benchmarks.make_weights", "--shape", case.shape, "--work", str(work)],
                 cwd=REPO,
@@ -674,6 +667,13 @@ def main(argv: list[str] | None = None) -> int:
                 text=True,
             )
             row["weights"] = json.loads(made.stdout.splitlines()[-1]) if made.returncode == 0 else made.stderr[-800:]
+        try:
+            row.update(_knobs(doc, shape, cfg_path, case.runner))
+        except ConfigError as exc:  # refused by the app's preflight (e.g. a combination known to fail)
+            row["error"] = f"invalid config: {exc}"
+            print(f"-- {case.name}: {row['error']}", flush=True)
+            _emit(out, row, results)
+            continue
         print(f"-- {case.name}: {row['command']}", flush=True)
         started = time.time()
         run_dir = work / "storage" / case.name

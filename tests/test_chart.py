@@ -573,14 +573,28 @@ DS_CASES = {
 
 
 def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
-    """A model read from the checkpoint volume (examples/values-cpu.yaml) is not on this machine: a model folder
-    with a small GPT-2 config.json, a weights file without tensors and a tokenizer file stands in for it (the
-    volume's path, moved under tmp_path); validate reads no more of them than that they are there and whole."""
-    model = (yaml.safe_load(config_files(objects)["training.yaml"]).get("model") or {}).get("name_or_path", "")
-    mount = container(pod_templates(objects)["head"])["volumeMounts"]
-    mount = next((m["mountPath"] for m in mount if model.startswith(m["mountPath"] + "/")), None)
+    """What a config reads from the checkpoint volume is not on this machine; stand-ins take the volume's paths,
+    moved under tmp_path: a model folder (examples/values-cpu.yaml) with a small GPT-2 config.json, a weights file
+    without tensors and a tokenizer file, and a chat dataset (examples/values-llama8b-chat-lora.yaml) of
+    conversations. validate reads no more of them than that they are there, whole, and give rows to train on."""
+    training = yaml.safe_load(config_files(objects)["training.yaml"])
+    mounts = [m["mountPath"] for m in container(pod_templates(objects)["head"])["volumeMounts"]]
+    sets = []
+    dataset = (training.get("data") or {}).get("dataset", "")
+    if (mount := next((m for m in mounts if dataset.startswith(m + "/")), None)) is not None:
+        data = tmp_path / "volume" / dataset.removeprefix(mount + "/")
+        data = data.parent / data.name.replace("*", "part-0")
+        data.parent.mkdir(parents=True, exist_ok=True)
+        turns = [
+            {"role": "user", "content": "Which section? Stocks rally."},
+            {"role": "assistant", "content": "Business"},
+        ]
+        data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(400)))
+        sets = ["--set", f"data.dataset={data}"]
+    model = (training.get("model") or {}).get("name_or_path", "")
+    mount = next((m for m in mounts if model.startswith(m + "/")), None)
     if not mount:
-        return []
+        return sets
     folder = tmp_path / "volume" / model.removeprefix(mount + "/")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(
@@ -590,7 +604,7 @@ def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
     )
     (folder / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
     (folder / "tokenizer.json").write_text("{}")
-    return ["--set", f"model.name_or_path={folder}"]
+    return [*sets, "--set", f"model.name_or_path={folder}"]
 
 
 def test_app_resolves_what_the_chart_renders(tmp_path):
