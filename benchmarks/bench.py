@@ -501,6 +501,18 @@ def suite_chat() -> list[Case]:
     ]
 
 
+def suite_chat_diag() -> list[Case]:
+    """Where the app's chat cases get a non-finite gradient norm from step 1 on the GPU (TRL on the same weights
+    and data does not): without Liger, unpacked (one padded conversation per row), without clipping; and TRL
+    with the app's ZeRO-3 config."""
+    return [
+        chat_case("chat-l1b-full-z3-noliger", "llama-1.1b", 8, 3, False, sets={"model.liger_kernels": False}),
+        chat_case("chat-l1b-full-z3-padded", "llama-1.1b", 8, 3, False, sets={"data.packing": False}),
+        chat_case("chat-l1b-full-z3-noclip", "llama-1.1b", 8, 3, False, sets={"train.max_grad_norm": 0.0}),
+        chat_case("trl-ds-chat-l1b-lora-z3", "llama-1.1b", 8, 3, True, runner="trl-ds", estimate=55, timeout=180),
+    ]
+
+
 def suite_chat_smoke() -> list[Case]:
     """The chat suite's app cases on CPUs (tiny Llama, one worker): the config, corpus and weights plumbing."""
     cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1, "model.liger_kernels": False, "data.seq_length": 256}
@@ -574,6 +586,7 @@ SUITES = {
     "fp8": suite_fp8,
     "chat": suite_chat,
     "chat-smoke": suite_chat_smoke,
+    "chat-diag": suite_chat_diag,
 }
 
 

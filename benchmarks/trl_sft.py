@@ -78,6 +78,8 @@ def main() -> None:
     tokenizer.chat_template = chat.template_of(d, tokenizer)
     train_set = datasets.load_dataset("json", data_files=d.dataset, split="train").select_columns(["messages"])
     total = args.warmup + args.steps
+    # Before SFTConfig: with a ZeRO-3 ds_config it makes a live HfDeepSpeedConfig, under which no meta model builds.
+    peft = lora_config(cfg) if cfg.model.lora is not None else None
     sft = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-sft-"),
         model_init_kwargs={"dtype": "bfloat16", "attn_implementation": attn},
@@ -146,7 +148,7 @@ def main() -> None:
         args=sft,
         train_dataset=train_set,
         processing_class=tokenizer,
-        peft_config=lora_config(cfg) if cfg.model.lora is not None else None,
+        peft_config=peft,
         callbacks=[clock],
     )
     trainer.train()
