@@ -513,6 +513,14 @@ def suite_chat_diag() -> list[Case]:
     ]
 
 
+def suite_chat_diag2() -> list[Case]:
+    """The same non-finite gradients: the chat case from random-init (no weights folder), and text data from the
+    weights folder, on one GPU."""
+    chat_random = dataclasses.replace(chat_case("chat-l1b-full-z3-random", "llama-1.1b", 8, 3, False), weights=False)
+    text_weights = llama("l1b-z3-mb8-text-weights", "llama-1.1b", 8, 3, True, weights=True, sets=ONE_GPU)
+    return [chat_random, text_weights]
+
+
 def suite_chat_smoke() -> list[Case]:
     """The chat suite's app cases on CPUs (tiny Llama, one worker): the config, corpus and weights plumbing."""
     cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1, "model.liger_kernels": False, "data.seq_length": 256}
@@ -587,6 +595,7 @@ SUITES = {
     "chat": suite_chat,
     "chat-smoke": suite_chat_smoke,
     "chat-diag": suite_chat_diag,
+    "chat-diag2": suite_chat_diag2,
 }
 
 
