@@ -485,13 +485,13 @@ def chat_case(name: str, shape: str, mb: int, stage: int, lora: bool, runner: st
 
 def suite_chat() -> list[Case]:
     """Chat SFT with LoRA and full-parameter on one H200, the app against TRL's SFTTrainer with the same model,
-    LoRA settings, template, packing, Liger, data and batch (TRL without DeepSpeed, its fastest on one GPU, and
-    with the app's ZeRO-3 config). The 8B pair last: its weights are written first (about 16 GB)."""
+    LoRA settings, template, packing, Liger, data and batch (TRL without DeepSpeed, its fastest on one GPU; TRL with
+    the app's ZeRO-3 config and PEFT fails in backward, see chat-diag). The 8B pair last: its weights are written
+    first (about 16 GB)."""
     return [
         chat_case("chat-l1b-lora-z3", "llama-1.1b", 8, 3, True, estimate=90, timeout=200),
         chat_case("trl-chat-l1b-lora", "llama-1.1b", 8, 3, True, runner="trl", estimate=50, timeout=180),
         chat_case("chat-l1b-lora-z2", "llama-1.1b", 8, 2, True, estimate=65, timeout=180),
-        chat_case("trl-ds-chat-l1b-lora-z3", "llama-1.1b", 8, 3, True, runner="trl-ds", estimate=55, timeout=180),
         chat_case("chat-l1b-full-z3", "llama-1.1b", 8, 3, False, estimate=70, timeout=180),
         chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=50, timeout=180),
         chat_case(
