@@ -61,10 +61,11 @@ def main() -> None:
     from app import attention, chat, ds_config, metrics
     from app import config as config_mod
     from app.model import hidden_size, load_model_config, load_tokenizer, model_facts
+    from benchmarks.hf_trainer import trainer_args
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
     cfg = config_mod.resolve(config_mod.load(args.config))
-    t, d = cfg.train, cfg.data
+    d = cfg.data
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     mc = load_model_config(cfg.model)
     ds = None
@@ -89,30 +90,7 @@ def main() -> None:
         assistant_only_loss=not d.train_on_prompt,
         use_liger_kernel=bool(cfg.model.liger_kernels),
         gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
-        per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        max_steps=total,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_betas[0],
-        adam_beta2=t.adam_betas[1],
-        adam_epsilon=t.adam_eps,
-        max_grad_norm=t.max_grad_norm,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        bf16=t.precision == "bf16",
-        fp16=t.precision == "fp16",
-        use_cpu=not torch.cuda.is_available(),
-        deepspeed=ds,
-        optim="adamw_torch_fused",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=t.seed,
-        dataloader_num_workers=d.loader_workers,
-        dataloader_pin_memory=True,
-        dataloader_drop_last=True,
+        **trainer_args(cfg, total, ds),
         dataset_num_proc=4,
     )
 
