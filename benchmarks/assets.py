@@ -144,3 +144,53 @@ def corpus(root: Path, lengths: Lengths, vocab: int, tokens: int, seed: int = 0)
             pos += n
     tmp.rename(out)
     return out
+
+
+# Turn lengths in tokens of a chat corpus (log-normal, clipped): short system prompts, questions, longer answers.
+CHAT_TURNS = {
+    "system": Lengths("system", 40, 0.6, 8, 300),
+    "user": Lengths("user", 50, 0.9, 4, 600),
+    "assistant": Lengths("assistant", 160, 0.8, 8, 1200),
+}
+CHAT_MAX = 1900  # tokens of words per conversation: within a 2048-token block with the template's few per turn
+
+
+def conversation(rng: np.random.Generator, words: np.ndarray) -> list[dict[str, str]]:
+    """One conversation: a system prompt half the time, then 1 to 8 user/assistant exchanges (geometric, mean
+    about 2.2); exchanges that would pass CHAT_MAX are left out (the first is shortened instead)."""
+    turns = [("system", CHAT_TURNS["system"])] if rng.random() < 0.5 else []
+    for _ in range(min(8, int(rng.geometric(0.45)))):
+        turns += [("user", CHAT_TURNS["user"]), ("assistant", CHAT_TURNS["assistant"])]
+    messages, used = [], 0
+    for role, lengths in turns:
+        n = int(lengths.sample(rng, 1)[0])
+        if used + n > CHAT_MAX:
+            if any(m["role"] == "assistant" for m in messages):
+                break
+            n = max(1, CHAT_MAX - used)
+        picked = rng.integers(0, len(words), n)
+        messages.append({"role": role, "content": " ".join(words[picked])})
+        used += n
+    if messages[-1]["role"] != "assistant":
+        messages.pop()  # the user turn whose answer did not fit
+    return messages
+
+
+def chat_corpus(root: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
+    """A jsonl file of {"messages": [...]} conversations (conversation()), about `tokens` words in all; each word
+    one token of model_folder's tokenizer, so the lengths are the token lengths (plus the template's tokens)."""
+    out = root / "data" / f"chat-v{vocab}-{tokens}.jsonl"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    words = np.char.add("t", np.arange(1, vocab).astype(str))
+    tmp = out.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        written = 0
+        while written < tokens:
+            messages = conversation(rng, words)
+            f.write(json.dumps({"messages": messages}) + "\n")
+            written += sum(len(m["content"].split()) for m in messages)
+    tmp.rename(out)
+    return out

@@ -34,7 +34,7 @@ import yaml
 from app.config import ConfigError
 from benchmarks import assets
 from benchmarks.make_weights import weights_folder
-from benchmarks.runner import REPO, Case, bench_env, run_app, run_hf
+from benchmarks.runner import PEERS, REPO, Case, bench_env, peer_command, run_app, run_hf
 
 MFU_FORMULA = (
     "MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden x seq_length) / peak; "
@@ -467,6 +467,69 @@ def suite_ckpt_smoke() -> list[Case]:
     ]
 
 
+CHAT = {"data.format": "chat", "data.chat_template": "zephyr", "data.train_on_prompt": False, "data.packing": True}
+LORA = {"model.lora": {"r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "auto"}}  # as the 8B chat example
+ONE_GPU = {"scaling.num_workers": 1, "train.learning_rate": 2e-4}
+
+
+def chat_case(name: str, shape: str, mb: int, stage: int, lora: bool, runner: str = "app", **kw) -> Case:
+    """Chat SFT on one GPU: synthetic multi-turn conversations (assets.chat_corpus), the zephyr template, loss on
+    the assistant turns, whole conversations packed into 2048-token blocks, Liger on, weights from a safetensors
+    folder (LoRA needs a base model; the peer loads the same folder), LoRA r=16 on every projection or all
+    parameters. The same config file drives the app and TRL's SFTTrainer."""
+    sets = {**ONE_GPU, **CHAT, **(LORA if lora else {}), **kw.pop("sets", {})}
+    tokens = 700_000 if shape == "llama-1.1b" else 250_000
+    case = llama(name, shape, mb, stage, True, runner=runner, lengths="chat", weights=True, sets=sets, **kw)
+    return dataclasses.replace(case, corpus_tokens=tokens)
+
+
+def suite_chat() -> list[Case]:
+    """Chat SFT with LoRA and full-parameter on one H200, the app against TRL's SFTTrainer with the same model,
+    LoRA settings, template, packing, Liger, data and batch (TRL without DeepSpeed, its fastest on one GPU; TRL with
+    the app's ZeRO-3 config and PEFT fails in backward, see chat-diag). The 8B pair last: its weights are written
+    first (about 16 GB)."""
+    return [
+        chat_case("chat-l1b-lora-z3", "llama-1.1b", 8, 3, True, estimate=90, timeout=200),
+        chat_case("trl-chat-l1b-lora", "llama-1.1b", 8, 3, True, runner="trl", estimate=50, timeout=180),
+        chat_case("chat-l1b-lora-z2", "llama-1.1b", 8, 2, True, estimate=65, timeout=180),
+        chat_case("chat-l1b-full-z3", "llama-1.1b", 8, 3, False, estimate=70, timeout=180),
+        chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=50, timeout=180),
+        chat_case(
+            "trl-chat-l8b-lora", "llama-8b", 4, 3, True, runner="trl", warmup=2, steps=5, estimate=200, timeout=300
+        ),
+        chat_case("chat-l8b-lora-z3", "llama-8b", 4, 3, True, warmup=2, steps=5, estimate=110, timeout=240),
+    ]
+
+
+def suite_chat_diag() -> list[Case]:
+    """Where the app's chat cases get a non-finite gradient norm from step 1 on the GPU (TRL on the same weights
+    and data does not): without Liger, unpacked (one padded conversation per row), without clipping; and TRL
+    with the app's ZeRO-3 config."""
+    return [
+        chat_case("chat-l1b-full-z3-noliger", "llama-1.1b", 8, 3, False, sets={"model.liger_kernels": False}),
+        chat_case("chat-l1b-full-z3-padded", "llama-1.1b", 8, 3, False, sets={"data.packing": False}),
+        chat_case("chat-l1b-full-z3-noclip", "llama-1.1b", 8, 3, False, sets={"train.max_grad_norm": 0.0}),
+        chat_case("trl-ds-chat-l1b-lora-z3", "llama-1.1b", 8, 3, True, runner="trl-ds", estimate=55, timeout=180),
+    ]
+
+
+def suite_chat_diag2() -> list[Case]:
+    """The same non-finite gradients: the chat case from random-init (no weights folder), and text data from the
+    weights folder, on one GPU."""
+    chat_random = dataclasses.replace(chat_case("chat-l1b-full-z3-random", "llama-1.1b", 8, 3, False), weights=False)
+    text_weights = llama("l1b-z3-mb8-text-weights", "llama-1.1b", 8, 3, True, weights=True, sets=ONE_GPU)
+    return [chat_random, text_weights]
+
+
+def suite_chat_smoke() -> list[Case]:
+    """The chat suite's app cases on CPUs (tiny Llama, one worker): the config, corpus and weights plumbing."""
+    cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1, "model.liger_kernels": False, "data.seq_length": 256}
+    return [
+        chat_case("smoke-chat-lora", "tiny-llama", 2, 3, True, warmup=1, steps=2, sets=cpu),
+        chat_case("smoke-chat-full", "tiny-llama", 2, 2, False, warmup=1, steps=2, sets=cpu),
+    ]
+
+
 def suite_smoke() -> list[Case]:
     """CPU plumbing check: 2 CPU workers, tiny shapes; every runner and the checkpoint path once."""
     cpu = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1}
@@ -529,6 +592,10 @@ SUITES = {
     "ckpt": suite_ckpt,
     "ckpt-smoke": suite_ckpt_smoke,
     "fp8": suite_fp8,
+    "chat": suite_chat,
+    "chat-smoke": suite_chat_smoke,
+    "chat-diag": suite_chat_diag,
+    "chat-diag2": suite_chat_diag2,
 }
 
 
@@ -547,10 +614,12 @@ def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
     shape = assets.SHAPES[case.shape]
     model = assets.model_folder(work, shape)
     source = f"random-init:{model}"
-    if case.weights:  # config and tokenizer now; the weights are written before the case runs (make_weights)
+    if case.weights:  # written by make_weights (config, tokenizer, safetensors) before the case's config checks
         source = str(weights_folder(work, shape))
-        shutil.copytree(model, source, dirs_exist_ok=True)
-    corpus = assets.corpus(work, assets.LENGTHS[case.lengths], shape.vocab, case.corpus_tokens)
+    if case.lengths == "chat":
+        corpus = assets.chat_corpus(work, shape.vocab, case.corpus_tokens)
+    else:
+        corpus = assets.corpus(work, assets.LENGTHS[case.lengths], shape.vocab, case.corpus_tokens)
     if case.config:
         doc = yaml.safe_load((REPO / case.config).read_text()) or {}
     else:
@@ -658,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg_path.write_text(yaml.safe_dump(doc, sort_keys=False))
         log_path = work / "logs" / f"{case.name}.log"
         log_path.unlink(missing_ok=True)
-        if case.weights:  # before the app's checks, which refuse a model folder without its weights
+        if case.weights:  # before the config checks: they look for the weight files
             made = subprocess.run(
                 [sys.executable, "-m", "benchmarks.make_weights", "--shape", case.shape, "--work", str(work)],
                 cwd=REPO,
@@ -678,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         run_dir = work / "storage" / case.name
         try:
-            if case.runner == "hf":
+            if case.runner in PEERS:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 run_dir.mkdir(parents=True)
                 (run_dir / "cache").symlink_to(work / "cache", target_is_directory=True)
@@ -720,11 +789,10 @@ def _knobs(doc: dict[str, Any], shape: assets.Shape, cfg_path: Path, runner: str
         "act_ckpt": cfg.model.gradient_checkpointing,
         "offload": bool(ds["zero_optimization"].get("offload_optimizer")),
         "ds_config": ds,
-        "command": (
-            f"python -m torch.distributed.run --standalone --nproc_per_node {workers} -m benchmarks.hf_trainer "
-            f"--config {cfg_path}"
-        )
-        if runner == "hf"
+        "lora": cfg.model.lora.model_dump() if cfg.model.lora else None,
+        "format": cfg.data.format,
+        "command": " ".join(["python", *peer_command(runner, cfg_path, workers)[1:]])
+        if runner in PEERS
         else f"python -m app.cli train {cfg_path}",
     }
 
@@ -777,7 +845,28 @@ def table(results: list[dict[str, Any]]) -> str:
             rows.append(f"|   checkpoint | {json.dumps(r['checkpoint'])} |")
         for save in r.get("saves") or []:
             rows.append(f"|   save | {json.dumps(save)} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n" + peer_table(results)
+
+
+def peer_table(results: list[dict[str, Any]]) -> str:
+    """Each app chat case against the TRL cases of its shape and kind (LoRA or full): tokens/s ratio, memory, the
+    first and last losses of both."""
+    done = [r for r in results if r.get("format") == "chat" and r.get("tokens_per_s_per_gpu")]
+    lines = []
+    for app in (r for r in done if r["runner"] == "app"):
+        for peer in (r for r in done if r["runner"].startswith("trl") and r["shape"] == app["shape"]):
+            if bool(peer.get("lora")) != bool(app.get("lora")):
+                continue
+            ratio = app["tokens_per_s_per_gpu"] / peer["tokens_per_s_per_gpu"]
+            losses = [f"{x['losses'][0]}->{x['losses'][-1]}" if x.get("losses") else "-" for x in (app, peer)]
+            lines.append(
+                f"| {app['case']} | {peer['case']} | {ratio:.2f}x | {app.get('peak_mem_gib')} | "
+                f"{peer.get('peak_mem_gib')} | {losses[0]} | {losses[1]} |"
+            )
+    if not lines:
+        return ""
+    head = "| app case | TRL case | app/TRL tok/s | app GiB | TRL GiB | app loss first->last | TRL loss first->last |"
+    return "\n" + "\n".join([head, "|---|---|---|---|---|---|---|", *lines]) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call on 2 x H200 (the workplace's `run` tool, kind nvidia-h200-x2), from the checkout's root:
+# One device call (the workplace's `run` tool: kind nvidia-h200-x2 for the 2-GPU suites, nvidia-h200 for chat), from the checkout's root:
 #   bash .gpu/tree/benchmarks/device_run.sh SUITE DEADLINE_S [ONLY]
 # where .gpu/ (git-ignored, carried) holds site-py312.tar.xz (Ray, DeepSpeed, datasets for the host's Python
-# 3.12), whl/ (liger-kernel) and tree/ (this repository's files). Results land in $OUT/SUITE/.
+# 3.12), whl/ (liger-kernel; trl for the chat suite) and tree/ (this repository's files). Results land in $OUT/SUITE/.
 set -uo pipefail
 suite=$1 deadline=$2 only=${3:-}
 G=$PWD/.gpu

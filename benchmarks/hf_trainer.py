@@ -21,6 +21,40 @@ import time
 from pathlib import Path
 
 
+def trainer_args(cfg, total: int, ds: dict | None) -> dict:
+    """TrainingArguments of the app config's batch, optimizer, precision and loader, for `total` steps; one step
+    logged each (as the app's loop reads the loss each step), nothing saved. Shared with benchmarks.trl_sft."""
+    import torch
+
+    t = cfg.train
+    return dict(
+        per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        max_steps=total,
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_betas[0],
+        adam_beta2=t.adam_betas[1],
+        adam_epsilon=t.adam_eps,
+        max_grad_norm=t.max_grad_norm,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        deepspeed=ds,
+        optim="adamw_torch_fused",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=t.seed,
+        dataloader_num_workers=cfg.data.loader_workers,
+        dataloader_pin_memory=True,
+        dataloader_drop_last=True,
+        use_cpu=not torch.cuda.is_available(),
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
@@ -49,32 +83,7 @@ def main() -> None:
     total = args.warmup + args.steps
     out_dir = Path(tempfile.mkdtemp(prefix="hf-trainer-"))
     targs = TrainingArguments(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        max_steps=total,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_betas[0],
-        adam_beta2=t.adam_betas[1],
-        adam_epsilon=t.adam_eps,
-        max_grad_norm=t.max_grad_norm,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        bf16=t.precision == "bf16",
-        fp16=t.precision == "fp16",
-        deepspeed=ds,
-        optim="adamw_torch_fused",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=t.seed,
-        dataloader_num_workers=cfg.data.loader_workers,
-        dataloader_pin_memory=True,
-        dataloader_drop_last=True,
-        use_cpu=not torch.cuda.is_available(),
-        remove_unused_columns=False,
+        output_dir=str(out_dir), **trainer_args(cfg, total, ds), remove_unused_columns=False
     )  # also makes the live HfDeepSpeedConfig that builds a ZeRO-3 model partitioned
     tokenizer = load_tokenizer(cfg.model)
     cache = Path(cfg.experiment_dir) / "cache"

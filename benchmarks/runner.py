@@ -31,7 +31,7 @@ class Case:
     name: str  # also the experiment name: a DNS-1035 label
     shape: str
     sets: dict[str, Any] = field(default_factory=dict)  # dotted config overrides, as `--set`
-    runner: str = "app"  # "app" (finetune train) or "hf" (Hugging Face Trainer under torchrun)
+    runner: str = "app"  # "app" (finetune train), or a PEERS key (a peer trainer under torchrun)
     config: str | None = None  # an examples/ YAML to start from, instead of the generated base config
     lengths: str = "docs"
     corpus_tokens: int = 2_500_000
@@ -381,7 +381,30 @@ def measure_checkpoint(
     return out
 
 
-# ---- the Hugging Face Trainer runner ---------------------------------------------------------------------
+# ---- the peer runners (Hugging Face Trainer, TRL's SFTTrainer) -------------------------------------------
+
+# runner name: the module torchrun starts, and its extra arguments
+PEERS = {
+    "hf": ("benchmarks.hf_trainer", []),
+    "trl": ("benchmarks.trl_sft", []),  # plain PyTorch on one GPU
+    "trl-ds": ("benchmarks.trl_sft", ["--deepspeed"]),  # with the app's ds_config
+}
+
+
+def peer_command(runner: str, cfg_path: Path, workers: int) -> list[str]:
+    module, extra = PEERS[runner]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={workers}",
+        "-m",
+        module,
+        "--config",
+        str(cfg_path),
+        *extra,
+    ]
 
 
 def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: Path) -> dict[str, Any]:
@@ -389,15 +412,7 @@ def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: P
     env["BENCH_LAUNCH_T"] = repr(time.time())
     out_json.unlink(missing_ok=True)
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={workers}",
-        "-m",
-        "benchmarks.hf_trainer",
-        "--config",
-        str(cfg_path),
+        *peer_command(case.runner, cfg_path, workers),
         "--warmup",
         str(case.warmup),
         "--steps",

@@ -5,25 +5,36 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+import shutil
 
 import pytest
 import yaml
-from safetensors.torch import save_file
 
+from app import chat
 from app.config import ConfigError
-from benchmarks import bench
+from benchmarks import assets, bench
+from benchmarks.make_weights import weights_folder
+
+
+def _stand_in_weights(root, shape_name):
+    """What make_weights writes, with a safetensors file of no tensors: the config checks read its header only (the
+    harness writes the real one before them; 16 GB for the 8B shape is too much for a unit test)."""
+    shape = assets.SHAPES[shape_name]
+    folder = weights_folder(root, shape)
+    shutil.copytree(assets.model_folder(root, shape), folder, dirs_exist_ok=True)
+    header = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
 
 
 def _configs(tmp_path, cases):
     for case in cases:
         case = dataclasses.replace(case, corpus_tokens=5_000)
+        if case.weights:
+            _stand_in_weights(tmp_path, case.shape)
         doc, shape = bench.case_config(case, tmp_path)
         path = tmp_path / "configs" / f"{case.name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(doc))
-        if case.weights:  # the harness writes the weights (benchmarks/make_weights.py) before the app checks them
-            save_file({}, Path(doc["model"]["name_or_path"]) / "model.safetensors")
         try:
             yield case, bench._knobs(doc, shape, path, case.runner)
         except ConfigError as exc:
@@ -48,6 +59,7 @@ def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
             "start-ab",
             "start-ab2",
             "ckpt",
+            "chat",
         )
         for c in bench.SUITES[suite]()
     }
@@ -71,6 +83,33 @@ def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
             assert zero["leaf_module"]["classes"] == ["LlamaDecoderLayer"], (case.name, zero)
             assert zero["stage3_prefetch_bucket_size"] >= (44_044_288 if case.shape == "llama-1.1b" else 218_112_000)
     assert seen == len(cases)
+
+
+def test_chat_cases_pair_the_app_with_trl_on_the_same_config(tmp_path):
+    knobs = {case.name: k for case, k in _configs(tmp_path, bench.suite_chat())}
+    for name, k in knobs.items():
+        assert k["workers"] == 1 and k["format"] == "chat" and k["liger"] is True and k["packing"], (name, k)
+        assert (k["lora"] is not None) == ("lora" in name), name
+        if "lora" in name:
+            assert k["lora"]["r"] == 16 and k["lora"]["target_modules"] == "auto", name
+        if name.startswith("trl"):
+            kind = name[name.index("chat-") :].split("-")[:3]  # e.g. chat, l1b, lora
+            app_twin = next(n for n in knobs if not n.startswith("trl") and n.split("-")[:3] == kind)
+            same = ("micro_batch", "seq", "grad_accum", "lora", "liger", "act_ckpt")
+            assert {key: k[key] for key in same} == {key: knobs[app_twin][key] for key in same}, (name, app_twin)
+            assert "-m benchmarks.trl_sft" in k["command"] and ("--deepspeed" in k["command"]) == ("trl-ds" in name)
+    assert [c.shape for c in bench.suite_chat()][-2:] == ["llama-8b", "llama-8b"]  # the costly pair last
+
+
+def test_chat_corpus_is_deterministic_and_every_row_trains(tmp_path):
+    path = assets.chat_corpus(tmp_path / "a", 32000, 60_000)
+    again = assets.chat_corpus(tmp_path / "b", 32000, 60_000)
+    assert path.read_text() == again.read_text()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    words = [sum(len(m["content"].split()) for m in r["messages"]) for r in rows]
+    assert all(chat.row_problem(r, "chat") is None and r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert max(words) <= assets.CHAT_MAX and min(words) < 100 < sorted(words)[len(words) // 2] < 1000 < max(words)
+    assert any(len(r["messages"]) >= 6 for r in rows) and any(r["messages"][0]["role"] == "system" for r in rows)
 
 
 @pytest.mark.slow
