@@ -189,7 +189,10 @@ def assert_trains_then_resumes(
 @pytest.mark.parametrize(
     "source, cluster, workers",
     [
-        ("chart", "embedded", 1),
+        # The chart's RayJob training and resuming is what tests/e2e/test_train.py proves through the real
+        # operator (helm install -> Succeeded, redeploy -> resumed at the checkpoint): kept out of the unit suite's
+        # 20 minutes, run by `make test-all`.
+        pytest.param("chart", "embedded", 1, marks=pytest.mark.slow),
         pytest.param("chart", "ray-start", 2, marks=pytest.mark.slow),
         pytest.param("k8s", "embedded", 2, marks=pytest.mark.slow),
     ],

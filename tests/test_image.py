@@ -551,6 +551,7 @@ def _share_torch_stack(py: Path, torch_stack: str, shared: Path) -> None:
     (Path(fresh_site.strip()) / "torch-stack.pth").write_text(f"{shared}\n")
 
 
+@pytest.mark.slow  # the built image proves it (tests/e2e/test_image_built.py: pip check, the CLI as uid 1000)
 def test_lock_installs_in_a_fresh_venv_and_the_image_commands_run(tmp_path):
     """The Dockerfile's steps on CPU: torch (the test venv's build standing in for the image's), the project's
     dependencies from pyproject.toml constrained by requirements.lock (DeepSpeed comes in here, without the
