@@ -407,11 +407,14 @@ def test_chat_sft_with_lora_trains_and_exports_the_adapter(cluster, namespace, p
 
     ns = namespace
     claim = put_model(pod_runner, ns, "ft", tiny_model)
+    # One key each: a whole `training` map would replace the values file's (its CPU scaling among it).
     chat = {
-        "data": {"dataset": "examples/data/tiny-chat.jsonl", "chat_template": "zephyr", "seq_length": 128},
-        "model": {"lora": {"r": 8, "alpha": 16}},
+        "training.data.dataset": "examples/data/tiny-chat.jsonl",
+        "training.data.chat_template": "zephyr",
+        "training.data.seq_length": 128,
+        "training.model.lora": {"r": 8, "alpha": 16},
     }
-    install(cluster, ns, [f"training={json.dumps(chat)}"])
+    install(cluster, ns, [f"{key}={json.dumps(value)}" for key, value in chat.items()])
     assert_trained(cluster, pod_runner, ns, "ft", claim)
     final = claim / "ft" / "final"
     base = AutoModelForCausalLM.from_pretrained(claim / "tiny-gpt2")
