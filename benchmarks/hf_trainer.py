@@ -128,20 +128,27 @@ def main() -> None:
     tps = per_step / step_s
     peak = metrics.peak_flops()
     result = {
-        "steps_logged": len(clock.ends),
-        "steps_timed": len(times),
-        "losses": clock.losses,
-        "time_to_first_step_s": round(clock.ends[0] - launch, 2),
-        "step_s": round(step_s, 4),
-        "step_s_median": round(sorted(times)[len(times) // 2], 4),
-        "step_s_min": round(min(times), 4),
-        "step_s_max": round(max(times), 4),
+        **timing(clock, times, launch),
         "tokens_per_s_per_gpu": round(tps, 1),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
     }
     if peak:
         result["mfu"] = round(tps * fpt / peak, 4)
     Path(args.out).write_text(json.dumps(result))
+
+
+def timing(clock, times: list[float], launch: float) -> dict:
+    """The step-time fields every peer runner records: `clock` has `ends` (one time per step) and `losses`."""
+    return {
+        "steps_logged": len(clock.ends),
+        "steps_timed": len(times),
+        "losses": clock.losses,
+        "time_to_first_step_s": round(clock.ends[0] - launch, 2),
+        "step_s": round(sum(times) / len(times), 4),
+        "step_s_median": round(sorted(times)[len(times) // 2], 4),
+        "step_s_min": round(min(times), 4),
+        "step_s_max": round(max(times), 4),
+    }
 
 
 if __name__ == "__main__":

@@ -138,24 +138,18 @@ def main() -> None:
 def write_result(args, cfg, clock, launch, model, mc, attn, metrics, hidden_size) -> None:
     import torch
 
+    from benchmarks.hf_trainer import timing
+
     skip = max(args.warmup - 1, 0)
     times = [b - a for a, b in zip(clock.ends[:-1], clock.ends[1:])][skip:]
     targets = clock.targets[1:][skip:]
-    step_s = sum(times) / len(times)
     tps = sum(targets) / sum(times)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
     fpt = metrics.flops_per_token(n_params, layers, hidden_size(mc), cfg.data.seq_length)
     result = {
-        "steps_logged": len(clock.ends),
-        "steps_timed": len(times),
-        "losses": clock.losses,
-        "time_to_first_step_s": round(clock.ends[0] - launch, 2),
-        "step_s": round(step_s, 4),
-        "step_s_median": round(sorted(times)[len(times) // 2], 4),
-        "step_s_min": round(min(times), 4),
-        "step_s_max": round(max(times), 4),
+        **timing(clock, times, launch),
         "tokens_per_s_per_gpu": round(tps, 1),
         "target_tokens_per_step": round(sum(targets) / len(targets), 1),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
