@@ -195,6 +195,37 @@ def encode_chat(messages, template: str, tokenizer, train_on_prompt: bool) -> tu
     return ids, labels, ends
 
 
+def unknown_markers(messages, template: str, tokenizer) -> list[str]:
+    """The template's own text (role markers and the like: the conversation rendered with every content empty) that
+    the tokenizer encodes as its unknown token, e.g. '<|user|>' for a word-level vocabulary without it. Every such
+    marker becomes the same token, so the model cannot tell the turns apart; and where it is also the padding
+    token, whose embedding row a freshly initialised model zeroes, a conversation that starts with it keeps an
+    all-zero hidden state through every layer (it attends only to itself), where RMSNorm's gradient is
+    1/sqrt(eps): the gradient grows about a thousandfold per layer and overflows in a deep model."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return []
+    text = _render(_plain([{**m, "content": ""} for m in messages]), template, tokenizer)[0]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    pieces = (text[lo:hi] for t, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"]) if t == unk)
+    return sorted({piece for piece in pieces if piece != tokenizer.unk_token})
+
+
+def check_markers(messages, template: str, tokenizer) -> None:
+    """Raises TemplateError when the template's own text is not in the tokenizer's vocabulary (unknown_markers)."""
+    try:
+        unknown = unknown_markers(messages, template, tokenizer)
+    except Exception:  # noqa: BLE001 - a template that cannot render this row: encode_chat names the reason
+        return
+    if unknown:
+        shown = ", ".join(repr(u) for u in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+        raise TemplateError(
+            f"its text {shown} is not in the tokenizer's vocabulary: each becomes the unknown token "
+            f"{tokenizer.unk_token!r}, so the model cannot tell the turns apart (and gradients can overflow); use a "
+            "template whose markers are tokens of this tokenizer, or add them to it"
+        )
+
+
 def encode_prompt_completion(prompt: str, completion: str, tokenizer, train_on_prompt: bool):
     """The prompt (with the tokenizer's own special tokens, e.g. BOS), the completion, then EOS: the target."""
     head = tokenizer(prompt)["input_ids"]
@@ -239,6 +270,11 @@ def tokenize(raw, tokenizer, cfg, fmt: str, locate: Callable[[int], str], num_pr
     each with its own position ids, padding after the last) or padded one per row. Logs the rows truncated at a
     turn boundary and those dropped (not even one assistant turn fits)."""
     encoder, seq = Encoder(cfg, fmt, tokenizer, locate), cfg.seq_length
+    if fmt == "chat" and len(raw) and row_problem(raw[0], fmt) is None:
+        try:
+            check_markers(raw[0]["messages"], encoder.template, tokenizer)
+        except TemplateError as exc:
+            raise render_problem(cfg, locate(raw[0][ROW]), exc, MARKERS) from None
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -308,12 +344,14 @@ def pack_rows(batch: dict[str, list], seq: int, pad: int) -> dict[str, list]:
 
 
 # --- before the cluster starts ----------------------------------------------------------------------------------
+MARKERS = "cannot train on its rendering of"  # render_problem's words for check_markers
 MAX_REPORTED = 3  # bad rows named at once: enough to see a pattern, few enough to read
 
 
 def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], tokenizer_of: Callable) -> list[Problem]:
     """The sampled rows (each with where it is) that this format cannot train on, then the first that the template
-    cannot render (with the tokenizer that `tokenizer_of()` loads; skipped when it cannot be loaded here)."""
+    cannot render, then whether the template's own text is in the tokenizer's vocabulary (check_markers; with the
+    tokenizer that `tokenizer_of()` loads; skipped when it cannot be loaded here)."""
     problems = []
     for where, row in rows:
         if (problem := row_problem(row, fmt)) is not None:
@@ -334,13 +372,17 @@ def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], token
         return [problem]
     except TemplateError as exc:
         return [render_problem(cfg, where, exc)]
+    try:
+        check_markers(rows[0][1]["messages"], template, tokenizer)
+    except TemplateError as exc:
+        return [render_problem(cfg, rows[0][0], exc, MARKERS)]
     return []
 
 
-def render_problem(cfg, where: str, exc: TemplateError) -> Problem:
+def render_problem(cfg, where: str, exc: TemplateError, what: str = "cannot render") -> Problem:
     return Problem(
         "data.chat_template",
         template_name(cfg),
-        f"cannot render {where}: {exc}",
+        f"{what} {where}: {exc}",
         "fix the template or the row, or set data.chat_template to one of " + ", ".join(TEMPLATES),
     )

@@ -170,6 +170,39 @@ def test_a_template_that_fails_is_refused_with_the_row(tmp_path, tiny_model):
     assert data.check_source(DataConfig(dataset=path, split="train", chat_template="zephyr"), model) == []
 
 
+def word_level_tokenizer(folder, words: list[str]):
+    """A word-level tokenizer of `words` whose unknown token is its EOS (the padding token too), saved to `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate([EOS, *words])}, unk_token=EOS))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, eos_token=EOS, unk_token=EOS, pad_token=EOS)
+    tok.save_pretrained(folder)
+    return tok
+
+
+def test_a_template_whose_markers_the_tokenizer_lacks_is_refused(tmp_path):
+    """Zephyr's '<|user|>' etc. through a word-level vocabulary without them: each would be the unknown token, which
+    is the padding token here, whose embedding a fresh model zeroes; conversations that start with it gave every
+    1.1B chat step a non-finite gradient. Refused before the cluster and at the run; with the markers, trained."""
+    words = "Be brief. Who won the match? The home team. score: 2-1 And score? Two to one.".split()
+    conversation = [m for m in CONVERSATION if m["role"] != "tool"]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation}] * 3)
+    cfg = DataConfig(dataset=path, split="train", chat_template="zephyr", packing=False)
+    lacking = word_level_tokenizer(tmp_path / "lacking", words)
+    problems = data.check_source(cfg, ModelConfig(name_or_path=str(tmp_path / "lacking")))
+    assert [(p.field, p.value) for p in problems] == [("data.chat_template", "zephyr")], problems
+    message = problems[0].message
+    assert f"{path} line 1" in message and "'<|assistant|>', '<|system|>', '<|user|>'" in message, message
+    with pytest.raises(Problem) as caught:
+        data.tokenize(data.load_split(cfg, cfg.split), lacking, cfg)
+    assert "not in the tokenizer's vocabulary" in caught.value.message
+    having = word_level_tokenizer(tmp_path / "having", [*words, "<|system|>", "<|user|>", "<|assistant|>"])
+    assert data.check_source(cfg, ModelConfig(name_or_path=str(tmp_path / "having"))) == []
+    assert len(data.tokenize(data.load_split(cfg, cfg.split), having, cfg)) == 3
+
+
 def test_a_bad_row_beyond_the_sample_ends_the_run_with_its_file_and_line(tok, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "SAMPLE_ROWS", 2)
     rows = [{"messages": CONVERSATION}] * 3 + [{"messages": [{"role": "user", "content": "hi"}]}]
