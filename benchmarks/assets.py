@@ -2,7 +2,11 @@
 
 A model folder holds a Hugging Face config of a known shape and a word-level tokenizer whose vocabulary is
 the model's, so every whitespace-separated word of the corpus is exactly one token: the corpus's length
-distribution is the token-length distribution the training path sees. The app builds the model with
+distribution is the token-length distribution the training path sees. The vocabulary's last ids are the zephyr
+template's role markers, as a chat model's tokenizer has its template's markers (without them each marker was the
+unknown token, which is EOS and the padding token, whose embedding row a fresh model zeroes: every conversation
+then started with an all-zero hidden state, which overflowed the 1.1B model's gradients; app.chat.unknown_markers
+now refuses such a tokenizer). The app builds the model with
 random weights from such a folder when `model.name_or_path` is `random-init:<folder>`.
 """
 
@@ -16,6 +20,12 @@ from pathlib import Path
 import numpy as np
 
 EOS = "<|endoftext|>"
+MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")  # app.chat.TEMPLATES["zephyr"]'s, one token each
+
+
+def words_of(vocab: int) -> int:
+    """How many ids of a `vocab`-token model folder are words (t1, t2, ...): all but EOS and the markers."""
+    return vocab - 1 - len(MARKERS)
 
 
 @dataclass(frozen=True)
@@ -112,10 +122,12 @@ def model_folder(root: Path, shape: Shape) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     out = root / "models" / shape.name
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+    tokenizer = out / "tokenizer.json"
+    if (out / "config.json").exists() and tokenizer.exists() and MARKERS[-1] in tokenizer.read_text():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    vocab = {EOS: 0, **{f"t{i}": i for i in range(1, shape.vocab)}}
+    words = words_of(shape.vocab)
+    vocab = {EOS: 0, **{f"t{i}": i for i in range(1, words + 1)}, **{m: words + 1 + n for n, m in enumerate(MARKERS)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(
@@ -134,7 +146,7 @@ def corpus(root: Path, lengths: Lengths, vocab: int, tokens: int, seed: int = 0)
     rng = np.random.default_rng(seed)
     n_docs = max(1, int(tokens / lengths.sample(rng, 10000).mean() * 1.02))
     lens = lengths.sample(rng, n_docs)
-    ids = rng.integers(1, vocab, int(lens.sum()))
+    ids = rng.integers(1, words_of(vocab) + 1, int(lens.sum()))
     words = np.char.add("t", ids.astype(str))
     tmp = out.with_suffix(".tmp")
     with tmp.open("w") as f:
@@ -184,7 +196,7 @@ def chat_corpus(root: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    words = np.char.add("t", np.arange(1, vocab).astype(str))
+    words = np.char.add("t", np.arange(1, words_of(vocab) + 1).astype(str))
     tmp = out.with_suffix(".tmp")
     with tmp.open("w") as f:
         written = 0

@@ -112,6 +112,25 @@ def test_chat_corpus_is_deterministic_and_every_row_trains(tmp_path):
     assert any(len(r["messages"]) >= 6 for r in rows) and any(r["messages"][0]["role"] == "system" for r in rows)
 
 
+def test_chat_rows_are_one_token_per_word_and_each_marker_its_own_token(tmp_path):
+    """The model folder's tokenizer has the zephyr markers (as unknown tokens, i.e. the zero-embedding padding token,
+    every conversation's first token gave the 1.1B chat cases non-finite gradients) and every corpus word."""
+    from transformers import AutoTokenizer
+
+    shape = assets.SHAPES["llama-1.1b"]
+    tok = AutoTokenizer.from_pretrained(assets.model_folder(tmp_path, shape))
+    assert len(tok) == shape.vocab
+    rows = [json.loads(line) for line in assets.chat_corpus(tmp_path, shape.vocab, 20_000).read_text().splitlines()]
+    template = chat.TEMPLATES["zephyr"]
+    for row in rows[:50]:
+        chat.check_markers(row["messages"], template, tok)
+        text, _ = chat.render_chat(row["messages"], template, tok)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        words = sum(len(m["content"].split()) for m in row["messages"])
+        assert len(ids) == words + 2 * len(row["messages"]) and ids.count(tok.unk_token_id) == len(row["messages"])
+    assert [tok.convert_ids_to_tokens(i) for i in range(shape.vocab - 4, shape.vocab)] == list(assets.MARKERS)
+
+
 @pytest.mark.slow
 def test_smoke_suite_runs_every_runner_on_cpu(tmp_path):
     """About 6 minutes on 2 cores: the tutorial, ZeRO-2, ZeRO-3 with checkpoint and resume, and HF Trainer."""
