@@ -201,7 +201,7 @@ def unknown_markers(messages, template: str, tokenizer) -> list[str]:
     marker becomes the same token, so the model cannot tell the turns apart; and where it is also the padding
     token, whose embedding row a freshly initialised model zeroes, a conversation that starts with it keeps an
     all-zero hidden state through every layer (it attends only to itself), where RMSNorm's gradient is
-    1/sqrt(eps): the gradient grows about a thousandfold per layer and overflows in a deep model."""
+    1/sqrt(eps): the gradient grows by orders of magnitude per layer and overflows in a deep model."""
     unk = tokenizer.unk_token_id
     if unk is None:
         return []
