@@ -211,19 +211,26 @@ def unknown_markers(messages, template: str, tokenizer) -> list[str]:
     return sorted({piece for piece in pieces if piece != tokenizer.unk_token})
 
 
-def check_markers(messages, template: str, tokenizer) -> None:
-    """Raises TemplateError when the template's own text is not in the tokenizer's vocabulary (unknown_markers)."""
+def markers_problem(cfg, where: str, messages, template: str, tokenizer) -> Problem | None:
+    """data.chat_template's problem when the template's own text, rendered for the row at `where`, is not in the
+    tokenizer's vocabulary (unknown_markers); None when it is, or when the row cannot be rendered (encode_chat
+    names that)."""
     try:
         unknown = unknown_markers(messages, template, tokenizer)
-    except Exception:  # noqa: BLE001 - a template that cannot render this row: encode_chat names the reason
-        return
-    if unknown:
-        shown = ", ".join(repr(u) for u in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
-        raise TemplateError(
-            f"its text {shown} is not in the tokenizer's vocabulary: each becomes the unknown token "
-            f"{tokenizer.unk_token!r}, so the model cannot tell the turns apart (and gradients can overflow); use a "
-            "template whose markers are tokens of this tokenizer, or add them to it"
-        )
+    except Exception:  # noqa: BLE001 - Jinja's errors: encode_chat reports them with the row
+        return None
+    if not unknown:
+        return None
+    shown = ", ".join(repr(u) for u in unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+    return Problem(
+        "data.chat_template",
+        template_name(cfg),
+        f"renders {shown} for {where}, which the tokenizer does not have: each becomes its unknown token "
+        f"{tokenizer.unk_token!r}, so the model cannot tell the turns apart (and where that token's embedding is "
+        "zero, as a fresh model's padding row is, the gradients overflow)",
+        "use a template whose markers are tokens of this tokenizer (a chat model's own template), or add them "
+        "to the tokenizer and resize the model's embeddings",
+    )
 
 
 def encode_prompt_completion(prompt: str, completion: str, tokenizer, train_on_prompt: bool):
@@ -271,10 +278,9 @@ def tokenize(raw, tokenizer, cfg, fmt: str, locate: Callable[[int], str], num_pr
     turn boundary and those dropped (not even one assistant turn fits)."""
     encoder, seq = Encoder(cfg, fmt, tokenizer, locate), cfg.seq_length
     if fmt == "chat" and len(raw) and row_problem(raw[0], fmt) is None:
-        try:
-            check_markers(raw[0]["messages"], encoder.template, tokenizer)
-        except TemplateError as exc:
-            raise render_problem(cfg, locate(raw[0][ROW]), exc, MARKERS) from None
+        first = raw[0]
+        if problem := markers_problem(cfg, locate(first[ROW]), first["messages"], encoder.template, tokenizer):
+            raise problem
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
@@ -344,13 +350,12 @@ def pack_rows(batch: dict[str, list], seq: int, pad: int) -> dict[str, list]:
 
 
 # --- before the cluster starts ----------------------------------------------------------------------------------
-MARKERS = "cannot train on its rendering of"  # render_problem's words for check_markers
 MAX_REPORTED = 3  # bad rows named at once: enough to see a pattern, few enough to read
 
 
 def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], tokenizer_of: Callable) -> list[Problem]:
     """The sampled rows (each with where it is) that this format cannot train on, then the first that the template
-    cannot render, then whether the template's own text is in the tokenizer's vocabulary (check_markers; with the
+    cannot render, then whether the template's own text is in the tokenizer's vocabulary (markers_problem; with the
     tokenizer that `tokenizer_of()` loads; skipped when it cannot be loaded here)."""
     problems = []
     for where, row in rows:
@@ -372,17 +377,15 @@ def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], token
         return [problem]
     except TemplateError as exc:
         return [render_problem(cfg, where, exc)]
-    try:
-        check_markers(rows[0][1]["messages"], template, tokenizer)
-    except TemplateError as exc:
-        return [render_problem(cfg, rows[0][0], exc, MARKERS)]
-    return []
+    where, row = rows[0]
+    problem = markers_problem(cfg, where, row["messages"], template, tokenizer)
+    return [problem] if problem else []
 
 
-def render_problem(cfg, where: str, exc: TemplateError, what: str = "cannot render") -> Problem:
+def render_problem(cfg, where: str, exc: TemplateError) -> Problem:
     return Problem(
         "data.chat_template",
         template_name(cfg),
-        f"{what} {where}: {exc}",
+        f"cannot render {where}: {exc}",
         "fix the template or the row, or set data.chat_template to one of " + ", ".join(TEMPLATES),
     )

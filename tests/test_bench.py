@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -121,9 +122,9 @@ def test_chat_rows_are_one_token_per_word_and_each_marker_its_own_token(tmp_path
     tok = AutoTokenizer.from_pretrained(assets.model_folder(tmp_path, shape))
     assert len(tok) == shape.vocab
     rows = [json.loads(line) for line in assets.chat_corpus(tmp_path, shape.vocab, 20_000).read_text().splitlines()]
-    template = chat.TEMPLATES["zephyr"]
+    template, cfg = chat.TEMPLATES["zephyr"], SimpleNamespace(chat_template="zephyr")
     for row in rows[:50]:
-        chat.check_markers(row["messages"], template, tok)
+        assert chat.markers_problem(cfg, "row", row["messages"], template, tok) is None
         text, _ = chat.render_chat(row["messages"], template, tok)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         words = sum(len(m["content"].split()) for m in row["messages"])

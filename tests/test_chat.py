@@ -197,7 +197,7 @@ def test_a_template_whose_markers_the_tokenizer_lacks_is_refused(tmp_path):
     assert f"{path} line 1" in message and "'<|assistant|>', '<|system|>', '<|user|>'" in message, message
     with pytest.raises(Problem) as caught:
         data.tokenize(data.load_split(cfg, cfg.split), lacking, cfg)
-    assert "not in the tokenizer's vocabulary" in caught.value.message
+    assert "which the tokenizer does not have" in caught.value.message and caught.value.fix
     having = word_level_tokenizer(tmp_path / "having", [*words, "<|system|>", "<|user|>", "<|assistant|>"])
     assert data.check_source(cfg, ModelConfig(name_or_path=str(tmp_path / "having"))) == []
     assert len(data.tokenize(data.load_split(cfg, cfg.split), having, cfg)) == 3
