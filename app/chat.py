@@ -275,7 +275,8 @@ class Encoder:
 def tokenize(raw, tokenizer, cfg, fmt: str, locate: Callable[[int], str], num_proc: int | None):
     """Token ids and labels of chat or prompt/completion rows: packed (whole conversations per seq_length block,
     each with its own position ids, padding after the last) or padded one per row. Logs the rows truncated at a
-    turn boundary and those dropped (not even one assistant turn fits)."""
+    turn boundary and those dropped (not even one assistant turn fits). Refuses a template whose own text the
+    tokenizer does not have (markers_problem, on the first row)."""
     encoder, seq = Encoder(cfg, fmt, tokenizer, locate), cfg.seq_length
     if fmt == "chat" and len(raw) and row_problem(raw[0], fmt) is None:
         first = raw[0]
