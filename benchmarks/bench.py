@@ -502,9 +502,9 @@ def suite_chat() -> list[Case]:
 
 
 def suite_chat_diag() -> list[Case]:
-    """Where the app's chat cases get a non-finite gradient norm from step 1 on the GPU (TRL on the same weights
-    and data does not): without Liger, unpacked (one padded conversation per row), without clipping; and TRL
-    with the app's ZeRO-3 config."""
+    """The chat case's variants that located its non-finite gradients from step 1 (a tokenizer without the
+    template's markers, since fixed in assets.model_folder; docs/benchmarks.md, History): without Liger, unpacked
+    (one padded conversation per row), without clipping; and TRL with the app's ZeRO-3 config."""
     return [
         chat_case("chat-l1b-full-z3-noliger", "llama-1.1b", 8, 3, False, sets={"model.liger_kernels": False}),
         chat_case("chat-l1b-full-z3-padded", "llama-1.1b", 8, 3, False, sets={"data.packing": False}),
@@ -514,8 +514,8 @@ def suite_chat_diag() -> list[Case]:
 
 
 def suite_chat_diag2() -> list[Case]:
-    """The same non-finite gradients: the chat case from random-init (no weights folder), and text data from the
-    weights folder, on one GPU."""
+    """With chat-diag: the chat case from random-init (no weights folder), and text data from the weights folder,
+    on one GPU."""
     chat_random = dataclasses.replace(chat_case("chat-l1b-full-z3-random", "llama-1.1b", 8, 3, False), weights=False)
     text_weights = llama("l1b-z3-mb8-text-weights", "llama-1.1b", 8, 3, True, weights=True, sets=ONE_GPU)
     return [chat_random, text_weights]
