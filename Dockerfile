@@ -89,7 +89,14 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" \
  && pip install --no-cache-dir -c requirements.lock -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 
-# 4. The project itself (its dependencies are all in place), then the example configs users start from.
+# 4. DeepSpeed's shared-memory collectives, which CPU workers (training.scaling.use_gpu false) load: DeepSpeed
+# compiles them at first use, 1-2 minutes in every pod at every start (a pod's home folder does not outlive it).
+# Built once here into the torch extensions folder of uid 1000's home; a pod's load then finds the build up to
+# date and compiles nothing. GPU workers never load it.
+RUN DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)" \
+ && ls "${HOME}"/.cache/torch_extensions/*/deepspeed_shm_comm/deepspeed_shm_comm.so
+
+# 5. The project itself (its dependencies are all in place), then the example configs users start from.
 COPY --chown=1000:100 README.md ./
 COPY --chown=1000:100 app/ app/
 RUN pip install --no-cache-dir --no-deps . \

@@ -380,7 +380,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
         return trainer.fit()
     except Exception as exc:
         placement = preflight.placement_failure(exc, cfg)
-        error = WorkerProblem(placement) if placement else worker_error(exc, s.max_failures)
+        error = WorkerProblem(placement) if placement else worker_error(exc, s.max_failures) or controller_error(exc)
         if error is None:
             raise
         raise error from exc
@@ -407,6 +407,17 @@ def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | No
     return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(line)
 
 
+def controller_error(exc: BaseException) -> RuntimeError | None:
+    """Ray Train's ControllerError (the controller failed, e.g. Ray's memory monitor killed the workers it was
+    starting), whose own message is a bare "Training failed due to controller error:" line, as its cause in one
+    line with the fix; None for other errors."""
+    cause = getattr(exc, "controller_failure", None)
+    if not isinstance(cause, BaseException):
+        return None
+    advice = failure_fix(cause, 0)
+    return RuntimeError(f"Ray Train's controller failed: {_one_line(cause)}" + (f". {advice}" if advice else ""))
+
+
 def _lost_peer(text: str) -> bool:
     return "Connection closed" in text or "Connection reset by peer" in text
 
@@ -417,8 +428,13 @@ def failure_fix(cause: BaseException, max_failures: int) -> str | None:
     import ray.exceptions
 
     name, text = type(cause).__name__, str(cause).lower()
-    oom = "outofmemory" in name.lower() or "out of memory" in text or "low on memory" in text
-    if oom or isinstance(cause, ray.exceptions.OutOfMemoryError):
+    if isinstance(cause, ray.exceptions.OutOfMemoryError) or "low on memory" in text:
+        return (  # Ray's memory monitor: the pod's (or machine's) memory, not the GPU's
+            "Fix: a node ran out of host memory and Ray killed its workers; give the pods more memory "
+            "(resources.limits.memory of the head or the worker group in the chart's values), or lower "
+            "train.micro_batch_size or data.seq_length"
+        )
+    if "outofmemory" in name.lower() or "out of memory" in text:
         return (
             "Fix: out of memory; lower train.micro_batch_size (raise train.gradient_accumulation_steps to keep the "
             "batch), set model.gradient_checkpointing=true, or offload: "

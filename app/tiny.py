@@ -12,6 +12,8 @@ import random
 import shutil
 from pathlib import Path
 
+from app.checkpoint.layout import plain_modes
+
 SUBJECTS = {
     "World": ["The prime minister", "United Nations envoys", "Rebel leaders", "The foreign ministry", "Peace talks"],
     "Sports": ["The home team", "The star striker", "Olympic sprinters", "The head coach", "Tennis champions"],
@@ -102,5 +104,6 @@ def build_tiny_model(
     shutil.rmtree(tmp, ignore_errors=True)
     GPT2LMHeadModel(config).save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
+    plain_modes(tmp)
     tmp.rename(out)
     return out

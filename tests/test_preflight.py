@@ -489,7 +489,7 @@ def test_failures_after_start_name_the_cause_and_the_fix():
         return str(driver.worker_error(WorkerGroupError("...", {0: failure}), max_failures))
 
     ray_oom = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.")
-    assert "Fix: out of memory; lower train.micro_batch_size" in line(ray_oom)
+    assert "Fix: a node ran out of host memory" in line(ray_oom) and "resources.limits.memory" in line(ray_oom)
     assert "model.gradient_checkpointing=true" in line(torch.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
     died = ray.exceptions.ActorDiedError()
     assert "a worker process died" in line(died) and "no restart is allowed (scaling.max_failures)" in line(died)
@@ -507,6 +507,24 @@ def test_failures_after_start_name_the_cause_and_the_fix():
     assert both.startswith("ActorDiedError: ") and "[rank 1]. Fix: a worker process died" in both
     for text in (line(ray_oom), line(died), line(timeout)):
         assert "\n" not in text
+
+
+def test_a_failed_controller_is_its_cause_in_one_line():
+    """Ray Train's ControllerError (seen when Ray's memory monitor killed the workers the controller was
+    starting on a pod at its memory limit): its own message is a bare "... controller error:" first line; the
+    run's error line is the cause with its fix."""
+    import ray.exceptions
+    from ray.train import ControllerError
+
+    from app import driver
+
+    oom = ray.exceptions.OutOfMemoryError("2 worker(s) were killed due to the node running low on memory.")
+    failed = ControllerError(oom)
+    assert str(failed).splitlines()[0] == "Training failed due to controller error:"
+    got = str(driver.controller_error(failed))
+    assert got.startswith("Ray Train's controller failed: OutOfMemoryError: 2 worker(s) were killed"), got
+    assert "Fix: a node ran out of host memory" in got and "\n" not in got
+    assert driver.controller_error(RuntimeError("x")) is None
 
 
 def test_a_bad_row_beyond_the_sample_is_named_by_file_and_line(tmp_path):

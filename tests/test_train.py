@@ -124,6 +124,17 @@ torch.save(logits, out / "engine_logits.pt"); torch.save(ids, out / "ids.pt")
 """
 
 
+def assert_readable_by_all(folder: Path) -> None:
+    """Model files as a plain write leaves them (umask 022 here): a reader of another uid on a shared volume
+    (a serving pod) can open the weights, which safetensors alone writes 0600."""
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in folder.rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o644"}, modes
+
+
+def test_tiny_model_files_are_readable_by_all(tiny_model):
+    assert_readable_by_all(tiny_model)
+
+
 def test_export_gives_the_engines_logits(tiny_model, tmp_path):
     """A ZeRO-3 bf16 engine trained a few steps, saved and exported: the export's logits equal the engine's."""
     import socket
@@ -144,6 +155,7 @@ def test_export_gives_the_engines_logits(tiny_model, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     engine_logits = torch.load(tmp_path / "engine_logits.pt")
+    assert_readable_by_all(tmp_path / "hf")
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert exported.dtype == torch.bfloat16
     with torch.no_grad():

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from app import lora
-from app.checkpoint.layout import STATE_FILE, TAG, read_state
+from app.checkpoint.layout import STATE_FILE, TAG, plain_modes, read_state
 
 
 def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: Path | str | None = None) -> Path:
@@ -68,6 +68,7 @@ def _publish(out: Path, write, source) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
     AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    plain_modes(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

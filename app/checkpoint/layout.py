@@ -158,3 +158,14 @@ def last_logged_step(run_dir: Path) -> int | None:
         if isinstance(rec, dict) and rec.get("kind") == "train" and isinstance(rec.get("step"), int):
             last = rec["step"]
     return last
+
+
+def plain_modes(folder: Path) -> None:
+    """Every file under `folder` gets the mode a plain write gives (0666 less the umask). safetensors writes its
+    files 0600 (a temp file, renamed): a model folder on a shared volume would be unreadable to every other user,
+    e.g. a serving pod of another uid in the same fsGroup."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)

@@ -1,8 +1,11 @@
-"""One real control plane per test session (tests/e2e/controlplane.py), one namespace per test."""
+"""One real cluster per test session: the control plane of tests/e2e/controlplane.py with the real node of
+tests/e2e/node.py (containerd, the kubelet, kube-proxy, CoreDNS), whose pods run the image `make image` built;
+one namespace per test."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import subprocess
 import sys
@@ -12,8 +15,9 @@ from pathlib import Path
 import k8s_support
 import pytest
 
+from e2e import image
 from e2e.controlplane import REPO, ControlPlane
-from e2e.podrunner import PodRunner
+from e2e.node import Node
 
 _ids = itertools.count()
 
@@ -23,23 +27,32 @@ def _interrupt(signum, frame):
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def real_node():
+    """The node and its control plane, started once; at the end everything is stopped and the session fails if
+    anything is left on the machine (a process, mount, cgroup, nft table, bridge, sysctl or file)."""
     # SIGTERM (CI cancelling the job) unwinds like Ctrl-C, so this fixture's teardown stops the processes.
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    cp = ControlPlane(kubectl_bin=k8s_support.tool("kubectl"), helm_bin=k8s_support.tool("helm"))
+    t0 = time.monotonic()
+    node = Node(k8s_support.tool("kubectl"), k8s_support.tool("helm"), app_image=image.build())
     try:
-        t0 = time.monotonic()
-        cp.start()
-        v = cp.versions
+        node.start()
+        v = node.cluster.versions
         print(
-            f"\ncontrol plane: kubernetes {v['KUBERNETES_VERSION']}, etcd {v['ETCD_VERSION']}, "
-            f"KubeRay {v['KUBERAY_VERSION']}; build/reuse {v['BUILD_SECONDS']} s, ready after "
-            f"{time.monotonic() - t0:.0f} s"
+            f"\ncluster: kubernetes {v['KUBERNETES_VERSION']}, etcd {v['ETCD_VERSION']}, KubeRay "
+            f"{v['KUBERAY_VERSION']}, image {node.app_ref}; ready after {time.monotonic() - t0:.0f} s "
+            f"({json.dumps({k: round(t, 1) for k, t in node.timings.items()})})"
         )
-        yield cp
+        yield node
     finally:
-        cp.stop()
+        left = node.stop()
         signal.signal(signal.SIGTERM, previous)
+        print(f"\nnode teardown: {node.timings.get('teardown_s', 0):.1f} s")
+    assert not left, f"left behind after the node stopped: {left}"
+
+
+@pytest.fixture(scope="session")
+def cluster(real_node) -> ControlPlane:
+    return real_node.cluster
 
 
 @pytest.fixture
@@ -54,17 +67,11 @@ def namespace(cluster, request) -> str:
 
 
 @pytest.fixture
-def pod_runner(cluster, namespace):
-    """A Node whose pods run (tests/e2e/podrunner.py), for the test's namespace only. Afterwards it kills
-    every process of its pods and removes their network namespaces, links, mount points and folders, and
-    fails the test if anything is left."""
-    runner = PodRunner(cluster, [namespace]).start()
-    try:
-        yield runner
-    finally:
-        left = runner.stop()
-    assert not runner.errors, "pod runner errors:\n" + "\n".join(runner.errors)
-    assert not left, f"left behind after the test: {left}"
+def node(real_node, namespace) -> Node:
+    """The real node, running the pods of the test's namespace (other tests' pods stay Pending: the node's
+    taint)."""
+    real_node.admit(namespace)
+    return real_node
 
 
 @pytest.fixture(scope="session")

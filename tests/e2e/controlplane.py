@@ -290,7 +290,9 @@ class ControlPlane:
             ]
         p = self.pki
         return [
-            *("--authorization-mode", "Node,RBAC", "--enable-admission-plugins", f"{ADMISSION},NodeRestriction"),
+            # PodTolerationRestriction: a namespace's default tolerations (node.py's taint) reach its pods.
+            *("--authorization-mode", "Node,RBAC"),
+            *("--enable-admission-plugins", f"{ADMISSION},NodeRestriction,PodTolerationRestriction"),
             *("--kubelet-client-certificate", str(p / "apiserver-kubelet-client.crt")),
             *("--kubelet-client-key", str(p / "apiserver-kubelet-client.key")),
             *("--kubelet-certificate-authority", str(p / "ca.crt"), "--kubelet-preferred-address-types", "InternalIP"),

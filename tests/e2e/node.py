@@ -3,9 +3,16 @@
 containerd (runc, overlayfs, its own config and state), the CNI bridge plugin on a bridge of our own, the
 kubelet registered with the API server (TLS both ways, webhook authn/authz), kube-proxy (nftables mode:
 Service ClusterIPs, including `kubernetes`, from pods), CoreDNS on the bridge address behind the `kube-dns`
-Service (cluster.local names resolve in pods) and a local image registry (tools/node/registry.sh) with the
-pause image and a static busybox image built here (tools/node/images.sh): no public registry is reachable.
-Why each setting is what it is: docs/kubernetes.md, "A real node".
+Service (cluster.local names resolve in pods), and the local image registry of `make image`
+(tools/image/registry.sh), which holds the project's image, and to which the pause image and a static busybox
+image built here (tools/node/images.sh) are pushed: no public registry is reachable. Why each setting is what
+it is: docs/kubernetes.md, "A real node".
+
+The node carries a taint: only the pods of namespaces that `admit()` names run (their default toleration,
+through the PodTolerationRestriction admission plugin); the rest stay Pending, as on a cluster without room.
+For the tests it provides what a cluster's storage and log tooling would: `claim_dir()` (a PersistentVolume
+pre-bound to a claim), `logs()` (every container's output in a namespace, also of pods already deleted) and
+the processes of a pod (`pod_pids()`, `pods_running()`), read from its cgroups.
 
 Everything lies under one state folder, but for what containerd 1.6 and the kubelet write at fixed places
 (/run/containerd, /var/lib/kubelet, /var/lib/cni), three global sysctls the kubelet rewrites, the `kubepods`
@@ -29,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from e2e import image
 from e2e.controlplane import (
     REPO,
     ControlPlane,
@@ -44,7 +52,7 @@ from e2e.controlplane import (
 
 NODE_TOOLS = REPO / "tools" / "node"
 NODE_NAME = "e2e-node"
-BRIDGE = "ftnode0"  # podrunner's bridge is another one: both may exist at once
+BRIDGE = "ftnode0"
 SUBNET = "10.244.77.0/24"
 GATEWAY = "10.244.77.1"  # on the bridge: node IP, API server, kubelet, CoreDNS; pods' default route
 CLUSTER_DNS = "10.96.0.10"  # the kube-dns Service, in controlplane.SERVICE_CIDR
@@ -54,6 +62,10 @@ SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops")
 FIXED_PATHS = ("/run/containerd", "/var/lib/kubelet", "/var/lib/cni", "/opt/containerd", "/etc/cni")
 NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
 READY_TIMEOUT_S = 120
+# Pods run here only where their namespace tolerates this (admit()).
+TAINT = {"key": "finetune-e2e/pods", "value": "run", "effect": "NoSchedule"}
+IMAGE_GID = 100  # the image's group (user ray, uid 1000), which the chart's fsGroup names
+KEEP_LOGS_EVERY_S = 1.0
 
 
 class NodeError(ControlPlaneError):
@@ -122,15 +134,22 @@ class Node:
     existed: dict[str, bool] = field(default_factory=dict)
     images: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    app_image: dict[str, str] = field(default_factory=dict)  # image.build()'s record: IMAGE, IMAGE_DIGEST, ...
     cluster: ControlPlane | None = None
     stopped: bool = False
+    registry: str = ""
+    registry_started: bool = False
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _logs_lock: threading.Lock = field(default_factory=threading.Lock)
+    _log_offsets: dict[Path, int] = field(default_factory=dict)
 
     @property
     def socket(self) -> Path:
         return self.root / "containerd.sock"
 
     @property
-    def logs(self) -> Path:
+    def log_dir(self) -> Path:
+        """The node components' own logs (containerd, kubelet, ...)."""
         return self.root / "logs"
 
     # --- life cycle ----------------------------------------------------------------------------------------
@@ -147,7 +166,7 @@ class Node:
             sh("bash", str(NODE_TOOLS / "install.sh"), timeout=600)
             self.sysctls = {k: sysctl_path(k).read_text().strip() for k in SYSCTLS}
             self.existed = {p: os.path.lexists(p) for p in FIXED_PATHS}
-            self.logs.mkdir()
+            self.log_dir.mkdir()
             self._bridge_up()
             self.cluster = ControlPlane(self.kubectl_bin, self.helm_bin, node_address=GATEWAY).start()
             t = time.monotonic()
@@ -156,6 +175,10 @@ class Node:
             self._start_containerd()
             self._start_kubelet()
             self.timings["containerd_and_kubelet_to_ready_s"], t = time.monotonic() - t, time.monotonic()
+            threading.Thread(target=self._keep_logs_loop, name="keep-pod-logs", daemon=True).start()
+            if self.app_image:
+                self.pull(self.app_ref)
+                self.timings["app_image_pull_s"], t = time.monotonic() - t, time.monotonic()
             self._start_kube_proxy()
             self._start_coredns()
             self.timings["kube_proxy_and_coredns_s"] = time.monotonic() - t
@@ -173,13 +196,13 @@ class Node:
         return found + [f"nft table {f} {t}" for f, t in NFT_TABLES if f"table {f} {t}\n" in tables + "\n"]
 
     def spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
-        self.procs[name] = spawn(self.logs, name, argv, self.root, env)
+        self.procs[name] = spawn(self.log_dir, name, argv, self.root, env)
 
     def log_tail(self, name: str) -> str:
-        return log_tail(self.logs, name)
+        return log_tail(self.log_dir, name)
 
     def wait(self, name: str, ready, what: str, timeout: float = READY_TIMEOUT_S) -> None:
-        wait_for(self.procs[name], self.logs, name, ready, what, timeout)
+        wait_for(self.procs[name], self.log_dir, name, ready, what, timeout)
 
     def _bridge_up(self) -> None:
         """The bridge exists before the API server, which serves on its address (pods reach it there). The
@@ -192,15 +215,11 @@ class Node:
         sysctl_path(f"net.ipv4.conf.{BRIDGE}.forwarding").write_text("1")
 
     def _start_registry(self) -> None:
-        port = free_port()
-        self.registry = f"localhost:{port}"
-        self.spawn(
-            "registry",
-            ["bash", str(NODE_TOOLS / "registry.sh"), "serve", str(self.root / "registry"), f"127.0.0.1:{port}"],
-        )
-        self.wait(
-            "registry", lambda: sh("curl", "-fs", f"http://127.0.0.1:{port}/v2/", check=False).returncode == 0, "/v2/"
-        )
+        """The registry `make image` pushed the project's image to (started here unless it runs; stopped at the
+        end only then), with the node's own two images pushed next to it."""
+        out = image.registry("start")
+        self.registry_started = out["REGISTRY_STARTED"] == "1"
+        self.registry = out["REGISTRY"].replace("127.0.0.1", "localhost")  # the plain-HTTP name images carry
         out = sh("bash", str(NODE_TOOLS / "images.sh"), str(self.root / "images"), self.registry, timeout=300)
         self.images = dict(line.split("=", 1) for line in out.stdout.split() if "=" in line)
 
@@ -281,6 +300,135 @@ class Node:
             "/ready",
         )
 
+    # --- what the tests use --------------------------------------------------------------------------------
+
+    @property
+    def app_ref(self) -> str:
+        """The project's image by digest: exactly the build `make image` recorded."""
+        return f"{self.app_image['IMAGE'].rsplit(':', 1)[0]}@{self.app_image['IMAGE_DIGEST']}"
+
+    def image_sets(self) -> list[str]:
+        """The chart's values (for helm --set) that point it at the project's image in the local registry."""
+        repository, digest = self.app_ref.split("@")
+        return [f"image.repository={repository}", f"image.digest={digest}"]
+
+    @property
+    def gateway(self) -> str:
+        """The host's address on the pod network: a service on the host listening there is reachable from pods."""
+        return GATEWAY
+
+    def pull(self, ref: str) -> None:
+        """The image into containerd's store, as the kubelet's first pull would put it there (unpacked): the
+        first pod that needs it then starts without a multi-gigabyte pull inside a test's time limit."""
+        sh(
+            "ctr", "--address", str(self.socket), "--namespace", "k8s.io", "images", "pull", "--plain-http",
+            "--hosts-dir", str(self.root / "certs.d"), ref, timeout=900,
+        )  # fmt: skip
+
+    def admit(self, ns: str) -> None:
+        """The pods that namespace `ns` creates from now on may run on this node (its default toleration of the
+        node's taint)."""
+        toleration = {"operator": "Equal", **TAINT}
+        self.cluster.kubectl(
+            "annotate", "namespace", ns, f"scheduler.alpha.kubernetes.io/defaultTolerations={json.dumps([toleration])}"
+        )
+
+    def claim_dir(self, ns: str, claim: str) -> Path:
+        """A PersistentVolume for the claim `ns/claim`, bound to it ahead (claimRef), as a cluster's provisioner
+        would; its folder is of group IMAGE_GID, mode 2770: the pods (uid 1000) write through their group, nobody
+        else may. Returns the folder."""
+        folder = self.root / "volumes" / f"{ns}-{claim}"
+        folder.mkdir(parents=True)
+        os.chown(folder, 0, IMAGE_GID)
+        folder.chmod(0o2770)
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{ns}-{claim}"[:63]},
+            "spec": {
+                "capacity": {"storage": "1Ti"},
+                "accessModes": ["ReadWriteMany", "ReadWriteOnce"],
+                "storageClassName": "",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "claimRef": {"namespace": ns, "name": claim},
+                "hostPath": {"path": str(folder), "type": "Directory"},
+            },
+        }
+        self.cluster.kubectl("apply", "-f", "-", stdin=json.dumps(pv))
+        return folder
+
+    def logs(self, ns: str) -> str:
+        """Every container's output in namespace `ns` since the node started, of deleted pods too, oldest file
+        first, each under a header naming pod and container."""
+        self._keep_logs()
+        files = sorted((self.root / "kept-logs").glob(f"{ns}_*/*/*.log"), key=lambda f: f.stat().st_mtime)
+        return "\n".join(
+            f"=== pod {f.parts[-3].split('_')[1]}, container {f.parts[-2]} (run {f.stem}) ===\n{cri_text(f)}"
+            for f in files
+        )
+
+    def _keep_logs_loop(self) -> None:
+        while not self._stopping.wait(KEEP_LOGS_EVERY_S):
+            self._keep_logs()
+
+    def _keep_logs(self) -> None:
+        """Appends what the kubelet wrote to the pods' log files since the last call to copies in kept-logs/: the
+        kubelet removes a pod's logs with the pod, and a test reads what a deleted pod said."""
+        src, dst = self.root / "pod-logs", self.root / "kept-logs"
+        with self._logs_lock:
+            for f in src.glob("*/*/*.log"):
+                rel = f.relative_to(src)
+                try:
+                    with open(f, "rb") as fh:
+                        fh.seek(self._log_offsets.get(rel, 0))
+                        chunk = fh.read()
+                except OSError:
+                    continue  # removed with its pod meanwhile
+                if chunk:
+                    (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                    with open(dst / rel, "ab") as out:
+                        out.write(chunk)
+                    self._log_offsets[rel] = self._log_offsets.get(rel, 0) + len(chunk)
+
+    @staticmethod
+    def pod_pids(uid: str) -> list[int]:
+        """The processes in the cgroups of the pod with this uid (empty once they are all gone)."""
+        pids = set()
+        for mount in cgroup_mounts():
+            top = mount / "kubepods"
+            for pod in top.rglob(f"pod{uid}") if top.is_dir() else ():
+                for procs in pod.rglob("cgroup.procs"):
+                    with contextlib.suppress(OSError):
+                        pids.update(int(p) for p in procs.read_text().split())
+        return sorted(pids)
+
+    @staticmethod
+    def memory_peak(uid: str) -> int:
+        """The most memory the pod with this uid has used (its memory cgroup's high-water mark), in bytes."""
+        for mount in cgroup_mounts():
+            top = mount / "kubepods"
+            for pod in top.rglob(f"pod{uid}") if top.is_dir() else ():
+                peak = pod / "memory.max_usage_in_bytes"  # cgroup v1; v2 has memory.peak
+                for path in (peak, pod / "memory.peak"):
+                    if path.exists():
+                        return int(path.read_text())
+        return 0
+
+    def pods_running(self, ns: str, title: str) -> list[str]:
+        """The pods of `ns` with a process whose command line starts with `title` (e.g. Ray's process title
+        ray::RayTrainWorker)."""
+        names = []
+        for pod in self.cluster.kubectl_json("get", "pods", "-n", ns)["items"]:
+            for pid in self.pod_pids(pod["metadata"]["uid"]):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                if argv.startswith(title):
+                    names.append(pod["metadata"]["name"])
+                    break
+        return names
+
     # --- teardown ------------------------------------------------------------------------------------------
 
     def stop(self) -> list[str]:
@@ -301,6 +449,7 @@ class Node:
 
     def _stop(self) -> list[str]:
         t0 = time.monotonic()
+        self._stopping.set()
         if self.cluster and "kubelet" in self.procs:
             self._drain()
         for name in ("kubelet", "kube-proxy", "coredns"):
@@ -317,11 +466,16 @@ class Node:
         self._restore_host()
         for name in list(self.procs):
             self._stop_proc(name)
+        if self.registry_started:
+            image.registry("stop")
+            self.registry_started = False
         if self.cluster:
             self.cluster.stop()
         keep = os.environ.get("FINETUNE_E2E_LOGS")
-        if keep and self.logs.exists():
-            shutil.copytree(self.logs, Path(keep) / "node", dirs_exist_ok=True)
+        if keep and self.log_dir.exists():
+            shutil.copytree(self.log_dir, Path(keep) / "node", dirs_exist_ok=True)
+        if keep and (self.root / "kept-logs").exists():
+            shutil.copytree(self.root / "kept-logs", Path(keep) / "pods", dirs_exist_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
         self.timings["teardown_s"] = time.monotonic() - t0
         return self.leftovers()
@@ -402,6 +556,20 @@ class Node:
         return found
 
 
+def cri_text(path: Path) -> str:
+    """A container log file of the kubelet (CRI format: `TIME STREAM P|F TEXT`, P a part of a longer line) as the
+    container wrote it."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) < 3:
+            continue
+        out.append(parts[3] if len(parts) == 4 else "")
+        if parts[2] == "F":
+            out.append("\n")
+    return "".join(out)
+
+
 # --- configuration -----------------------------------------------------------------------------------------
 
 
@@ -480,6 +648,8 @@ def kubelet_config(root: Path, pki: Path, port: int, health: int) -> dict:
         "authorization": {"mode": "Webhook"},
         "makeIPTablesUtilChains": False,
         "podLogsDir": str(root / "pod-logs"),
+        "containerLogMaxSize": "200Mi",  # no rotation within a session: Node.logs() follows each file by offset
+        "registerWithTaints": [TAINT],
         "evictionHard": {"nodefs.available": "1%", "imagefs.available": "1%", "memory.available": "100Mi"},
         "clusterDomain": "cluster.local",
         "clusterDNS": [CLUSTER_DNS],

@@ -1,7 +1,8 @@
 """The image that `make image` built from the Dockerfile (tools/image/build.sh) and pushed to the local registry,
 checked from the inside: the CLI runs as uid 1000, pip finds no conflict, uid 1000 has no way to root (no sudo
-rule, no setuid or setgid file), and DeepSpeed's CPU Adam is prebuilt. Each check also runs on the stand-in base,
-which has what the Dockerfile removes, so a check that cannot fail would show. No control plane needed."""
+rule, no setuid or setgid file), and DeepSpeed's CPU Adam and the CPU workers' shared-memory op are prebuilt.
+The user and file checks also run on the stand-in base, which has what the Dockerfile removes, so a check that
+cannot fail would show. No control plane needed."""
 
 from __future__ import annotations
 
@@ -113,6 +114,22 @@ def test_cpu_adam_is_prebuilt(ctr):
     out = ctr.run("env", "DS_ACCELERATOR=cuda", "TORCH_EXTENSIONS_DIR=/tmp/jit", "python", "-c", CPU_ADAM).stdout
     # fused Adam (CUDA) is not prebuilt by make image: its builder has no nvcc (BUILD_FUSED_ADAM=0).
     assert "cpu_adam prebuilt False" in out, out
+
+
+# DeepSpeed's shared-memory collectives of CPU workers: a load finds the image's build up to date.
+SHM_COMM = """
+import glob, os, time
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+(so,) = glob.glob(os.path.expanduser("~/.cache/torch_extensions/*/deepspeed_shm_comm/deepspeed_shm_comm.so"))
+before, t0 = os.stat(so).st_mtime, time.time()
+ShareMemCommBuilder().load(verbose=False)
+print("shm_comm", "rebuilt" if os.stat(so).st_mtime != before else "prebuilt", f"{time.time() - t0:.1f} s")
+"""
+
+
+def test_shared_memory_op_of_cpu_workers_is_prebuilt(ctr):
+    out = ctr.run("env", "DS_ACCELERATOR=cpu", "python", "-c", SHM_COMM).stdout
+    assert "shm_comm prebuilt" in out, out
 
 
 def test_registry_starts_once_and_stops_without_leftovers(tmp_path):

@@ -5,8 +5,8 @@ Always) runs as uid 1000 with a read-only root, no effective capabilities, no_ne
 (read from /proc/self/status inside it); `kubectl logs` and `exec` go through the kubelet; Service names
 resolve through CoreDNS and ClusterIPs (`kubernetes` included) answer through kube-proxy; a hostPath
 PersistentVolume bound to a claim is writable through fsGroup only; a graceful delete delivers SIGTERM.
-Teardown must leave nothing behind. Part of `make e2e` (alone: `make e2e-node`); the training pods of the other
-e2e tests still run in tests/e2e/podrunner.py.
+The session's teardown must leave nothing behind (tests/e2e/conftest.py). Part of `make e2e` (alone:
+`make e2e-node`), whose training pods run on the same node.
 """
 
 from __future__ import annotations
@@ -14,14 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
-import k8s_support
 import pytest
-
-from e2e.node import Node
 
 pytestmark = pytest.mark.e2e
 NS = "node-restricted"
@@ -38,24 +34,10 @@ while true; do sleep 1 & wait $!; done
 ECHO_SCRIPT = "mkdir -p /tmp/www && echo hello-from-echo > /tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www"
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 @pytest.fixture(scope="module")
-def node():
-    # SIGTERM unwinds like Ctrl-C, so the teardown below runs (atexit is the last resort).
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    n = Node(k8s_support.tool("kubectl"), k8s_support.tool("helm"))
-    try:
-        n.start()
-        print(f"\nnode: {json.dumps({k: round(v, 1) for k, v in n.timings.items()})}")
-        yield n
-    finally:
-        left = n.stop()
-        print(f"\nnode teardown: {n.timings['teardown_s']:.1f} s")
-        signal.signal(signal.SIGTERM, previous)
-    assert not left, f"left behind after the node stopped: {left}"
+def node(real_node):
+    print(f"\nnode: {json.dumps({k: round(v, 1) for k, v in real_node.timings.items()})}")
+    return real_node
 
 
 def security(container: dict | None = None) -> dict:
@@ -145,6 +127,7 @@ def workload(node):
     cp = node.cluster
     cp.kubectl("create", "namespace", NS)
     cp.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted")
+    node.admit(NS)
     host_dir = node.root / "pv"
     host_dir.mkdir()
     os.chown(host_dir, 0, FS_GROUP)
@@ -174,7 +157,8 @@ def workload(node):
     if out.returncode:
         events = cp.kubectl("get", "events", "-n", NS, "--sort-by=.lastTimestamp", check=False).stdout
         pytest.fail(f"pods not Ready: {out.stderr}\n{events}\nkubelet:\n{node.log_tail('kubelet')}")
-    return {"host_dir": host_dir, "probe_ready_s": time.monotonic() - t0}
+    yield {"host_dir": host_dir, "probe_ready_s": time.monotonic() - t0}
+    cp.kubectl("delete", "namespace", NS, "--wait=false", check=False)  # its CPU requests leave the node
 
 
 def exec_probe(node, *argv: str) -> str:

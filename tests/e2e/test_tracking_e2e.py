@@ -1,5 +1,6 @@
 """MLflow through the chart: `helm install` of examples/values-cpu.yaml with training.tracking.mlflow.uri pointing
-at a real `mlflow server` (SQLite) on the host, on the pod network's gateway, which the pods reach; the credentials
+at a real `mlflow server` (SQLite) on the host, on the pod network's gateway, which the pods of the real node
+reach; the credentials
 Secret becomes env of head and workers by reference only (never in the RayJob spec or the ConfigMap); the
 NetworkPolicy gets one egress rule, the server's address and port. The run, read back with MLflow's client, holds
 the config, every step's loss and ends FINISHED."""
@@ -18,11 +19,11 @@ from e2e.test_train import CPU_VALUES, put_model, total_steps, wait_job_end
 pytestmark = pytest.mark.e2e
 
 
-def test_helm_install_tracks_the_run_in_mlflow(cluster, namespace, pod_runner, tiny_model, tmp_path):
+def test_helm_install_tracks_the_run_in_mlflow(cluster, namespace, node, tiny_model, tmp_path):
     ns = namespace
-    server = MlflowServer(tmp_path / "mlflow", host=pod_runner.gateway).start()
+    server = MlflowServer(tmp_path / "mlflow", host=node.gateway).start()
     try:
-        claim = put_model(pod_runner, ns, "tracked", tiny_model)
+        claim = put_model(node, ns, "tracked", tiny_model)
         secret_value = "not-a-real-password-7f3a"
         literals = [f"--from-literal={k}={v}" for k, v in (("USERNAME", "finetune"), ("PASSWORD", secret_value))]
         literals = [arg.replace("=", "=MLFLOW_TRACKING_", 1) for arg in literals]
@@ -31,11 +32,12 @@ def test_helm_install_tracks_the_run_in_mlflow(cluster, namespace, pod_runner, t
             f"training.tracking.mlflow.uri={server.uri}",
             "training.tracking.mlflow.experiment=e2e-finetunes",
             "tracking.mlflow.credentialsSecret=mlflow-credentials",
-            f"tracking.mlflow.egressTo[0].ipBlock.cidr={pod_runner.gateway}/32",
+            f"tracking.mlflow.egressTo[0].ipBlock.cidr={node.gateway}/32",
+            *node.image_sets(),
         ]
         support.install(cluster, "tracked", ns, CPU_VALUES, sets)
-        status = wait_job_end(cluster, pod_runner, ns, "tracked")
-        assert status.get("jobStatus") == "SUCCEEDED", f"{status}\n{pod_runner.logs(ns)[-20000:]}"
+        status = wait_job_end(cluster, node, ns, "tracked")
+        assert status.get("jobStatus") == "SUCCEEDED", f"{status}\n{node.logs(ns)[-20000:]}"
 
         # The Secret by reference only, on head and workers; its value nowhere in the RayJob or the ConfigMap.
         job = support.get(cluster, "rayjob", ns, "tracked")
@@ -50,7 +52,7 @@ def test_helm_install_tracks_the_run_in_mlflow(cluster, namespace, pod_runner, t
         egress = support.get(cluster, "networkpolicy", ns, "tracked")["spec"]["egress"]
         to_server = [
             {
-                "to": [{"ipBlock": {"cidr": f"{pod_runner.gateway}/32"}}],
+                "to": [{"ipBlock": {"cidr": f"{node.gateway}/32"}}],
                 "ports": [{"protocol": "TCP", "port": server.port}],
             }
         ]

@@ -1,4 +1,5 @@
-"""The job trains through the real operator, on the pod runner's Node (tests/e2e/podrunner.py): `helm install`
+"""The job trains through the real operator, on the real node (tests/e2e/node.py: the kubelet runs every pod from
+the image `make image` built, as uid 1000 under the chart's securityContext): `helm install`
 of examples/values-cpu.yaml and `kubectl apply -k` of examples/k8s-cpu-overlay (KubeRay's RayCluster with a
 head and two CPU workers, its submitter running `finetune train` on the head with Ray's token; the RayJob ends
 Succeeded, the final model loads, `finetune status` shows the finished job and its progress), in a namespace
@@ -31,14 +32,14 @@ TRAIN_TIMEOUT_S = 600
 FINETUNE = str(Path(sys.executable).with_name("finetune"))
 
 
-def put_model(runner, ns: str, claim: str, tiny_model: Path) -> Path:
+def put_model(node, ns: str, claim: str, tiny_model: Path) -> Path:
     """The user's one-time step of values-cpu.yaml: the model onto the claim. Returns the claim's folder."""
-    folder = runner.claim_dir(ns, claim)
+    folder = node.claim_dir(ns, claim)
     shutil.copytree(tiny_model, folder / "tiny-gpt2")
     return folder
 
 
-def wait_job_end(cluster, runner, ns: str, job: str, timeout: float = TRAIN_TIMEOUT_S) -> dict:
+def wait_job_end(cluster, node, ns: str, job: str, timeout: float = TRAIN_TIMEOUT_S) -> dict:
     """The RayJob's status once it is Complete or Failed; on a timeout, fails with the pods' logs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -46,7 +47,7 @@ def wait_job_end(cluster, runner, ns: str, job: str, timeout: float = TRAIN_TIME
         if status.get("jobDeploymentStatus") in ("Complete", "Failed"):
             return status
         time.sleep(2)
-    raise AssertionError(f"RayJob {ns}/{job} did not end within {timeout:.0f} s: {status}\n{runner.logs(ns)[-30000:]}")
+    raise AssertionError(f"RayJob {ns}/{job} did not end within {timeout:.0f} s: {status}\n{node.logs(ns)[-30000:]}")
 
 
 def running_pods(cluster, ns: str, selector: str, count: int) -> list[dict]:
@@ -74,22 +75,39 @@ def finetune_status(cluster, ns: str, experiment: str) -> subprocess.CompletedPr
     )
 
 
-def test_helm_install_trains_the_tiny_model(cluster, namespace, pod_runner, tiny_model):
+def test_helm_install_trains_the_tiny_model(cluster, namespace, node, tiny_model):
     ns, t0 = namespace, time.monotonic()
-    claim = put_model(pod_runner, ns, "ft", tiny_model)
-    support.install(cluster, "ft", ns, CPU_VALUES)
+    claim = put_model(node, ns, "ft", tiny_model)
+    support.install(cluster, "ft", ns, CPU_VALUES, sets=node.image_sets())
     ray_cluster = support.wait_for(
         lambda: support.job_status(cluster, ns, "ft").get("rayClusterName"), "rayClusterName on the RayJob"
     )
     pods = running_pods(cluster, ns, f"ray.io/cluster={ray_cluster}", 3)
     assert sorted(support.group_of(p) for p in pods) == ["head", "worker/cpu", "worker/cpu"]
 
-    assert_trained(cluster, pod_runner, ns, "ft", claim)
+    assert_trained(cluster, node, ns, "ft", claim)
     submitter = support.get(cluster, "job", ns, "ft")
     command = json.dumps(submitter["spec"]["template"]["spec"]["containers"])
     assert "ray job submit" in command and "finetune train" in command, command
+    check_logs_through_the_kubelet(cluster, ns, "ft")
+    peaks = [f"{support.group_of(p)} {node.memory_peak(p['metadata']['uid']) / 2**30:.2f}" for p in pods]
+    print(f"\nmemory peaks (GiB) of the pods, limits 3 GiB each: {peaks}")
     print(f"\nhelm install -> RayJob Succeeded, model loaded, status shown: {time.monotonic() - t0:.0f} s")
     check_token_auth(cluster, ns, ray_cluster)
+
+
+def check_logs_through_the_kubelet(cluster, ns: str, experiment: str) -> None:
+    """`finetune logs` and `kubectl logs` of the submitter read the run's log from the kubelet: the driver's
+    progress lines and its last line, the final model's path."""
+    out = subprocess.run(
+        [FINETUNE, "logs", experiment, "-n", ns], capture_output=True, text=True, env=cluster.env(), timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    final = f"final model: /mnt/cluster_storage/{experiment}/final"
+    assert final in out.stdout and "step" in out.stdout, out.stdout[-5000:]
+    assert "submitter" in out.stderr, out.stderr  # its header names the pod and container it read
+    raw = cluster.kubectl("logs", "-n", ns, f"job/{experiment}").stdout
+    assert final in raw, raw[-5000:]
 
 
 def dashboard_get(ip: str, path: str, token: str | None = None) -> tuple[int, bytes]:
@@ -124,12 +142,12 @@ def check_token_auth(cluster, ns: str, ray_cluster: str) -> None:
     assert any("finetune train" in j.get("entrypoint", "") and j.get("status") == "SUCCEEDED" for j in jobs), jobs
 
 
-def assert_trained(cluster, runner, ns: str, experiment: str, claim: Path) -> None:
+def assert_trained(cluster, node, ns: str, experiment: str, claim: Path) -> None:
     """The RayJob ends Succeeded, metrics reach the last step, final/ loads with from_pretrained, and
     `finetune status` shows the job succeeded with its progress at the last step."""
-    status = wait_job_end(cluster, runner, ns, experiment)
+    status = wait_job_end(cluster, node, ns, experiment)
     assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
-        f"{status}\n{runner.logs(ns)[-30000:]}"
+        f"{status}\n{node.logs(ns)[-30000:]}"
     )
     run = claim / experiment
     steps = runs(run)[-1]  # the last attempt's
@@ -143,22 +161,27 @@ def assert_trained(cluster, runner, ns: str, experiment: str, claim: Path) -> No
     out = finetune_status(cluster, ns, experiment)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"experiment {experiment} in namespace {ns}: succeeded" in out.stdout, out.stdout
-    assert f"step         {steps[-1]}/{steps[-1]} (100%)" in out.stdout, out.stdout + runner.logs(ns)[-30000:]
+    assert f"step         {steps[-1]}/{steps[-1]} (100%)" in out.stdout, out.stdout + node.logs(ns)[-30000:]
 
 
-def test_kubectl_apply_k_of_the_cpu_overlay_trains(cluster, namespace, pod_runner, tiny_model, tmp_path):
+def test_kubectl_apply_k_of_the_cpu_overlay_trains(cluster, namespace, node, tiny_model, tmp_path):
     """examples/k8s-cpu-overlay (k8s/ made the CPU smoke run), under an overlay that moves it into the test's
     namespace, applied with `kubectl apply -k`: the job trains like the Helm install."""
     ns = namespace
     shutil.copytree(k8s_support.K8S, tmp_path / "k8s")
     shutil.copytree(REPO / "examples" / "k8s-cpu-overlay", tmp_path / "examples" / "k8s-cpu-overlay")
     (tmp_path / "here").mkdir()
-    (tmp_path / "here" / "kustomization.yaml").write_text(
-        f"resources: [../examples/k8s-cpu-overlay]\nnamespace: {ns}\n"
-    )
-    claim = put_model(pod_runner, ns, "gpt2-agnews", tiny_model)
+    repository, digest = node.app_ref.split("@")
+    shipped = yaml.safe_load((support.CHART / "values.yaml").read_text())["image"]["repository"]  # k8s/'s image
+    here = {
+        "resources": ["../examples/k8s-cpu-overlay"],
+        "namespace": ns,
+        "images": [{"name": shipped, "newName": repository, "digest": digest}],
+    }
+    (tmp_path / "here" / "kustomization.yaml").write_text(yaml.safe_dump(here))
+    claim = put_model(node, ns, "gpt2-agnews", tiny_model)
     cluster.kubectl("apply", "-k", str(tmp_path / "here"))
-    assert_trained(cluster, pod_runner, ns, "gpt2-agnews", claim)
+    assert_trained(cluster, node, ns, "gpt2-agnews", claim)
 
 
 def fault_env(**env: str) -> list[str]:
@@ -166,9 +189,10 @@ def fault_env(**env: str) -> list[str]:
     return [f"env={json.dumps([{'name': k, 'value': v} for k, v in env.items()])}"]
 
 
-def install(cluster, ns: str, set_json: list[str] = ()) -> None:
-    args = ["-f", str(CPU_VALUES[0])] + [a for s in set_json for a in ("--set-json", s)]
-    cluster.helm("install", "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
+def install(cluster, node, ns: str, set_json: list[str] = (), verb: str = "install", values=CPU_VALUES) -> None:
+    """helm install (or upgrade) of release ft: `values`, the node's image, and --set-json of `set_json`."""
+    args = support.values_args(values, node.image_sets()) + [a for s in set_json for a in ("--set-json", s)]
+    cluster.helm(verb, "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
 
 
 def paused(run: Path, phase: str, step: int, timeout: float = TRAIN_TIMEOUT_S) -> Path:
@@ -206,10 +230,10 @@ def runs(run: Path) -> list[list[int]]:
     return [r for r in out if r]
 
 
-def rank_worker(cluster, runner, ns: str, ray_cluster: str) -> dict:
-    """A worker pod that runs a Ray Train rank (with values-cpu.yaml the head has a CPU, so one rank may run there)."""
+def rank_worker(cluster, node, ns: str, ray_cluster: str) -> dict:
+    """A worker pod that runs a Ray Train rank (values-cpu.yaml gives the head no CPU for one)."""
     workers = running_pods(cluster, ns, f"ray.io/cluster={ray_cluster},ray.io/node-type=worker", 2)
-    ranked = runner.pods_running(ns, "ray::RayTrainWorker")
+    ranked = node.pods_running(ns, "ray::RayTrainWorker")
     return next((p for p in workers if p["metadata"]["name"] in ranked), None) or pytest.fail(
         f"no worker pod runs a rank: {ranked}"
     )
@@ -219,16 +243,60 @@ def log_every() -> int:
     return yaml.safe_load(CPU_VALUES[0].read_text())["training"]["train"]["log_every_steps"]
 
 
-def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, pod_runner, tiny_model):
+# Run in a training pod (kubectl exec): what the kernel says of each Ray Train worker process in it.
+RANK_STATUS = """
+import pathlib
+for proc in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+        if proc.joinpath("cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+            keep = ("Uid", "Gid", "Groups", "CapPrm", "CapEff", "CapBnd", "NoNewPrivs", "Seccomp")
+            lines = [l for l in proc.joinpath("status").read_text().splitlines() if l.split(":")[0] in keep]
+            print(proc.name, "|".join(" ".join(l.split()) for l in lines))
+    except OSError:
+        pass
+"""
+
+
+def assert_ranks_confined(cluster, ns: str, pod: str) -> None:
+    """The training processes of `pod`, read from inside it: uid 1000, gid 100 (the image's user; fsGroup 100
+    among the groups), no capabilities at all, no_new_privs, and a seccomp filter (the chart's RuntimeDefault)."""
+    out = cluster.kubectl("exec", "-n", ns, pod, "-c", "ray-worker", "--", "python", "-c", RANK_STATUS).stdout
+    assert out.strip(), f"no Ray Train worker process in pod {pod}"
+    for line in out.strip().splitlines():
+        status = dict(field.split(" ", 1) for field in line.split(" ", 1)[1].split("|"))
+        assert status["Uid:"].split() == ["1000"] * 4 and status["Gid:"].split() == ["100"] * 4, line
+        assert "100" in status["Groups:"].split(), line
+        assert {status[k] for k in ("CapPrm:", "CapEff:", "CapBnd:")} == {"0000000000000000"}, line
+        assert (status["NoNewPrivs:"], status["Seccomp:"]) == ("1", "2"), line
+
+
+def assert_claim_on_its_volume(cluster, ns: str, claim: str, folder: Path) -> str:
+    """The claim is Bound to its PersistentVolume on `folder`, and what the run wrote there belongs to uid 1000,
+    group 100; returns the volume's uid."""
+    pvc = support.get(cluster, "pvc", ns, claim)
+    assert pvc["status"]["phase"] == "Bound", pvc["status"]
+    pv = support.get(cluster, "pv", "", pvc["spec"]["volumeName"])
+    assert pv["spec"]["hostPath"]["path"] == str(folder), pv["spec"]
+    written = [p for p in (folder / claim).rglob("*") if p.is_file()]
+    assert written and {(p.stat().st_uid, p.stat().st_gid) for p in written} == {(1000, 100)}, written[:5]
+    return pv["metadata"]["uid"]
+
+
+def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, node, tiny_model):
     """The RayJob is deleted while it trains, after the checkpoint of step 10 (rank 0 held at the start of step
     15's save); `helm uninstall` and `helm install` under the same name start a new cluster whose run resumes
-    at step 10 and finishes: no step before it is redone, none after it is skipped."""
+    at step 10 and finishes: no step before it is redone, none after it is skipped. While it is held, the ranks'
+    processes are read from inside their pods (uid 1000, no capabilities, seccomp); the claim is a real
+    PersistentVolume, written by uid 1000 through group 100, and the redeploy finds the same volume."""
     ns = namespace
-    run = put_model(pod_runner, ns, "ft", tiny_model) / "ft"
-    install(cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15"))
+    folder = put_model(node, ns, "ft", tiny_model)
+    run = folder / "ft"
+    install(cluster, node, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15"))
     paused(run, "before_shards", 15)
     registered(run, 10)
     first = support.job_status(cluster, ns, "ft")["rayClusterName"]
+    assert_ranks_confined(cluster, ns, rank_worker(cluster, node, ns, first)["metadata"]["name"])
+    volume = assert_claim_on_its_volume(cluster, ns, "ft", folder)
     t0 = time.monotonic()
     cluster.kubectl("delete", "rayjob", "ft", "-n", ns)
     cluster.helm("uninstall", "ft", "-n", ns)
@@ -239,10 +307,10 @@ def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, pod_runner, tiny
     )
     print(f"\nRayJob deleted -> the first cluster's pods gone: {time.monotonic() - t0:.0f} s")
 
-    install(cluster, ns)  # the same release name, without the fault
-    status = wait_job_end(cluster, pod_runner, ns, "ft")
+    install(cluster, node, ns)  # the same release name, without the fault
+    status = wait_job_end(cluster, node, ns, "ft")
     assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
-        f"{status}\n{pod_runner.logs(ns)[-30000:]}"
+        f"{status}\n{node.logs(ns)[-30000:]}"
     )
     attempts = runs(run)
     assert len(attempts) == 2, attempts
@@ -252,9 +320,10 @@ def test_redeploy_resumes_at_the_checkpoint(cluster, namespace, pod_runner, tiny
     assert after[-1] == total_steps(CPU_VALUES[0]), after
     out = finetune_status(cluster, ns, "ft")
     assert "resumed from" in out.stdout and "step-00000010" in out.stdout, out.stdout
+    assert assert_claim_on_its_volume(cluster, ns, "ft", folder) == volume
 
 
-def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_model):
+def test_a_deleted_worker_pod_recovers(cluster, namespace, node, tiny_model):
     """A worker pod that runs a rank lost at once (force-deleted, as its node's loss ends it: the kubelet's 1 s
     floor, too short for the preStop hook to save anything) while the job trains (rank 0 held at the start of step
     15's save, after the checkpoint of step 10, until the pod's processes are gone): the operator replaces the
@@ -262,25 +331,26 @@ def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_mode
     SIGTERM handler drains the node; otherwise the RayJob's retry starts a new cluster) and finishes; no complete
     checkpoint is lost. Prints deletion -> training again."""
     ns = namespace
-    run = put_model(pod_runner, ns, "ft", tiny_model) / "ft"
-    install(cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15"))
+    run = put_model(node, ns, "ft", tiny_model) / "ft"
+    install(cluster, node, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15"))
     paused(run, "before_shards", 15)
     registered(run, 10)
     complete = sorted(p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists())
     ray_cluster = support.job_status(cluster, ns, "ft")["rayClusterName"]
-    name = rank_worker(cluster, pod_runner, ns, ray_cluster)["metadata"]["name"]
+    worker = rank_worker(cluster, node, ns, ray_cluster)
+    name, uid = worker["metadata"]["name"], worker["metadata"]["uid"]
     t_delete = time.monotonic()
     cluster.kubectl("delete", "pod", name, "-n", ns, "--grace-period=0", "--force")
-    support.wait_for(lambda: not pod_runner.running(ns, name), f"pod {name}'s processes gone")
+    support.wait_for(lambda: not node.pod_pids(uid), f"pod {name}'s processes gone")
     (run / ".fault-continue-before_shards-15").touch()  # the next attempt passes step 15 without a pause
     support.wait_for(
         lambda: len(runs(run)) > 1, "a training step after the worker pod was lost", timeout=TRAIN_TIMEOUT_S
     )
     print(f"\nworker pod deleted -> training again: {time.monotonic() - t_delete:.0f} s")
 
-    status = wait_job_end(cluster, pod_runner, ns, "ft")
+    status = wait_job_end(cluster, node, ns, "ft")
     assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
-        f"{status}\n{pod_runner.logs(ns)[-30000:]}"
+        f"{status}\n{node.logs(ns)[-30000:]}"
     )
     before, after = runs(run)[0], runs(run)[-1]
     assert 10 <= before[-1] < 15 and 10 < after[0] <= 10 + log_every(), runs(run)
@@ -293,7 +363,7 @@ def test_a_deleted_worker_pod_recovers(cluster, namespace, pod_runner, tiny_mode
 
 
 def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_nothing(
-    cluster, namespace, pod_runner, tiny_model
+    cluster, namespace, node, tiny_model
 ):
     """`kubectl delete pod` of a worker while the job trains, with the chart's grace period (a preemption: a
     node drain, a spot reclaim). The kubelet runs the pod's preStop hook, `finetune preempt`, which asks the run
@@ -304,14 +374,17 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
     grace period; the RayJob's retry (backoffLimit) starts a new cluster whose run resumes at step 12 and
     finishes: no step redone, none skipped, no complete checkpoint lost."""
     ns = namespace
-    run = put_model(pod_runner, ns, "ft", tiny_model) / "ft"
+    run = put_model(node, ns, "ft", tiny_model) / "ft"
     install(
-        cluster, ns, fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:10") + ["training.train.log_every_steps=1"]
+        cluster,
+        node,
+        ns,
+        fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:10") + ["training.train.log_every_steps=1"],
     )  # every step in metrics.jsonl: which ran, in which attempt
     paused(run, "before_shards", 10)
     complete = sorted(p.name for p in run.glob("checkpoints/*") if (p / "trainer_state.json").exists())
     ray_cluster = support.job_status(cluster, ns, "ft")["rayClusterName"]
-    worker = rank_worker(cluster, pod_runner, ns, ray_cluster)
+    worker = rank_worker(cluster, node, ns, ray_cluster)
     name, grace = worker["metadata"]["name"], worker["spec"]["terminationGracePeriodSeconds"]
     t_delete = time.monotonic()
     cluster.kubectl("delete", "pod", name, "-n", ns, "--wait=false")  # the default: the pod's grace period
@@ -328,8 +401,8 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
     support.wait_for(gone, f"worker pod {name} gone", timeout=grace)
     t_gone = time.monotonic() - t_delete
 
-    status = wait_job_end(cluster, pod_runner, ns, "ft")
-    logs = pod_runner.logs(ns)
+    status = wait_job_end(cluster, node, ns, "ft")
+    logs = node.logs(ns)
     assert (status["jobDeploymentStatus"], status.get("jobStatus")) == ("Complete", "SUCCEEDED"), (
         f"{status}\n{logs[-30000:]}"
     )
@@ -346,7 +419,7 @@ def test_a_gracefully_deleted_worker_pod_saves_its_step_and_the_retry_redoes_not
     )
 
 
-def test_restricted_namespace_trains(cluster, namespace, pod_runner, tiny_model):
+def test_restricted_namespace_trains(cluster, namespace, node, tiny_model):
     """Pod Security "restricted" enforced by the real admission plugin: the head, workers and submitter are
     admitted and the job trains to the end."""
     ns = namespace
@@ -357,25 +430,24 @@ def test_restricted_namespace_trains(cluster, namespace, pod_runner, tiny_model)
         "pod-security.kubernetes.io/enforce=restricted",
         "pod-security.kubernetes.io/enforce-version=latest",
     )
-    claim = put_model(pod_runner, ns, "ft", tiny_model)
-    install(cluster, ns)
-    assert_trained(cluster, pod_runner, ns, "ft", claim)
+    claim = put_model(node, ns, "ft", tiny_model)
+    install(cluster, node, ns)
+    assert_trained(cluster, node, ns, "ft", claim)
     events = cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout
     assert "violates PodSecurity" not in events
 
 
-def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, pod_runner, tiny_model):
+def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, node, tiny_model):
     """examples/values-persistent.yaml over values-cpu.yaml: a RayCluster that outlives its jobs, the RayJob
     submitted by the operator over HTTP. The first job is deleted after the checkpoint of step 10 (rank 0 held
     at step 15's save); `helm upgrade` creates the RayJob again, and the second job, on the same cluster and
     pods, resumes the experiment at step 10 and finishes."""
     ns = namespace
     values = [*CPU_VALUES, REPO / "examples" / "values-persistent.yaml"]
-    claim = put_model(pod_runner, ns, "ft", tiny_model)
+    claim = put_model(node, ns, "ft", tiny_model)
     run = claim / "ft"
-    pause = fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15")[0]
-    args = [a for v in values for a in ("-f", str(v))] + ["--set-json", pause]
-    cluster.helm("install", "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
+    pause = fault_env(FINETUNE_FAULT_SAVE_PAUSE="before_shards:600:15")
+    install(cluster, node, ns, pause, values=values)
     paused(run, "before_shards", 15)
     registered(run, 10)
     pods = {p["metadata"]["uid"] for p in running_pods(cluster, ns, "ray.io/cluster=ft", 3)}
@@ -389,8 +461,8 @@ def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, pod_ru
     support.wait_for(stopped, "the first Ray job stopped on the persistent cluster")
     # The cluster's pods keep the fault's env: let the second job pass step 15 without a pause.
     (run / ".fault-continue-before_shards-15").touch()
-    cluster.helm("upgrade", "ft", str(support.CHART), "-n", ns, "--server-side=true", *args)
-    assert_trained(cluster, pod_runner, ns, "ft", claim)
+    install(cluster, node, ns, pause, verb="upgrade", values=values)
+    assert_trained(cluster, node, ns, "ft", claim)
     assert {p["metadata"]["uid"] for p in running_pods(cluster, ns, "ray.io/cluster=ft", 3)} == pods, (
         "the second job did not run on the same cluster's pods"
     )
@@ -398,7 +470,7 @@ def test_persistent_cluster_runs_two_jobs_in_sequence(cluster, namespace, pod_ru
     assert 10 <= first[-1] < 15 and 10 < second[0] <= 10 + log_every(), (first, second)
 
 
-def test_chat_sft_with_lora_trains_and_exports_the_adapter(cluster, namespace, pod_runner, tiny_model):
+def test_chat_sft_with_lora_trains_and_exports_the_adapter(cluster, namespace, node, tiny_model):
     """examples/values-cpu.yaml made a chat SFT with LoRA (the bundled chat dataset, zephyr template): the job
     succeeds, final/ is the merged model and final/adapter/ the PEFT adapter, which agree."""
     import torch
@@ -406,7 +478,7 @@ def test_chat_sft_with_lora_trains_and_exports_the_adapter(cluster, namespace, p
     from transformers import AutoModelForCausalLM
 
     ns = namespace
-    claim = put_model(pod_runner, ns, "ft", tiny_model)
+    claim = put_model(node, ns, "ft", tiny_model)
     # One key each: a whole `training` map would replace the values file's (its CPU scaling among it).
     chat = {
         "training.data.dataset": "examples/data/tiny-chat.jsonl",
@@ -414,8 +486,8 @@ def test_chat_sft_with_lora_trains_and_exports_the_adapter(cluster, namespace, p
         "training.data.seq_length": 128,
         "training.model.lora": {"r": 8, "alpha": 16},
     }
-    install(cluster, ns, [f"{key}={json.dumps(value)}" for key, value in chat.items()])
-    assert_trained(cluster, pod_runner, ns, "ft", claim)
+    install(cluster, node, ns, [f"{key}={json.dumps(value)}" for key, value in chat.items()])
+    assert_trained(cluster, node, ns, "ft", claim)
     final = claim / "ft" / "final"
     base = AutoModelForCausalLM.from_pretrained(claim / "tiny-gpt2")
     adapted = PeftModel.from_pretrained(base, final / "adapter").eval()
