@@ -81,7 +81,7 @@ e2e: setup
 	bash tools/node/install.sh
 	bash tools/controlplane/build.sh >/dev/null
 	bash tools/image/build.sh >/dev/null
-	$(BIN)/pytest -q -m e2e tests/e2e
+	$(BIN)/pytest -q -m e2e --durations=15 tests/e2e
 
 # The real node alone (tests/e2e/node.py, tests/e2e/test_node.py): restricted pods of a busybox image on it (the
 # node pulls the project's image at its start, as for make e2e); does not depend on setup (it uses the venv as it is).
