@@ -225,6 +225,9 @@ def test_training_publishes_progress_on_its_rayjob(fake, tiny_model, tmp_path):
     assert "progress: cannot" not in output
 
 
+# make test-all only: the e2e redeploy test shows the same through the real RayJob (`finetune status` of the
+# resumed run names step-00000010), and the unit suite needs its 50 s for the 20-minute budget.
+@pytest.mark.slow
 def test_a_resumed_run_publishes_where_it_resumed_from(fake, tiny_model, tmp_path):
     train(tiny_model, tmp_path, "progress-resume", steps=4, every=2, ends_at=2, **{"train.stop_after_steps": 2})
     assert published(fake)["step"] == 2 and published(fake)["resumed_from"] is None
