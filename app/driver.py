@@ -380,7 +380,8 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
         return trainer.fit()
     except Exception as exc:
         placement = preflight.placement_failure(exc, cfg)
-        error = WorkerProblem(placement) if placement else worker_error(exc, s.max_failures) or controller_error(exc)
+        failed = worker_error(exc, s.max_failures) or controller_error(exc, s.max_failures)
+        error = WorkerProblem(placement) if placement else failed
         if error is None:
             raise
         raise error from exc
@@ -407,14 +408,14 @@ def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | No
     return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(line)
 
 
-def controller_error(exc: BaseException) -> RuntimeError | None:
+def controller_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | None:
     """Ray Train's ControllerError (the controller failed, e.g. Ray's memory monitor killed the workers it was
     starting), whose own message is a bare "Training failed due to controller error:" line, as its cause in one
     line with the fix; None for other errors."""
     cause = getattr(exc, "controller_failure", None)
     if not isinstance(cause, BaseException):
         return None
-    advice = failure_fix(cause, 0)
+    advice = failure_fix(cause, max_failures)
     return RuntimeError(f"Ray Train's controller failed: {_one_line(cause)}" + (f". {advice}" if advice else ""))
 
 

@@ -164,8 +164,19 @@ def plain_modes(folder: Path) -> None:
     """Every file under `folder` gets the mode a plain write gives (0666 less the umask). safetensors writes its
     files 0600 (a temp file, renamed): a model folder on a shared volume would be unreadable to every other user,
     e.g. a serving pod of another uid in the same fsGroup."""
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     for path in folder.rglob("*"):
         if path.is_file() and not path.is_symlink():
             path.chmod(0o666 & ~umask)
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it: os.umask can only be read by changing it, and for that moment
+    a file another thread creates (a background checkpoint write) would get mode 0666."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022  # no /proc (not Linux): the common default

@@ -116,6 +116,11 @@ def shim_pids(socket: Path) -> list[int]:
     return pids
 
 
+def pod_cgroups(uid: str) -> list[Path]:
+    """The cgroup folders of the pod with this uid, one per hierarchy (cgroupfs driver: .../kubepods/[QOS/]podUID)."""
+    return [pod for m in cgroup_mounts() if (m / "kubepods").is_dir() for pod in (m / "kubepods").rglob(f"pod{uid}")]
+
+
 def kubepods_pids() -> list[int]:
     pids = set()
     for mount in cgroup_mounts():
@@ -142,6 +147,7 @@ class Node:
     _stopping: threading.Event = field(default_factory=threading.Event)
     _logs_lock: threading.Lock = field(default_factory=threading.Lock)
     _log_offsets: dict[Path, int] = field(default_factory=dict)
+    _log_keeper: threading.Thread | None = None
 
     @property
     def socket(self) -> Path:
@@ -175,7 +181,8 @@ class Node:
             self._start_containerd()
             self._start_kubelet()
             self.timings["containerd_and_kubelet_to_ready_s"], t = time.monotonic() - t, time.monotonic()
-            threading.Thread(target=self._keep_logs_loop, name="keep-pod-logs", daemon=True).start()
+            self._log_keeper = threading.Thread(target=self._keep_logs_loop, name="keep-pod-logs", daemon=True)
+            self._log_keeper.start()
             if self.app_image:
                 self.pull(self.app_ref)
                 self.timings["app_image_pull_s"], t = time.monotonic() - t, time.monotonic()
@@ -394,24 +401,19 @@ class Node:
     def pod_pids(uid: str) -> list[int]:
         """The processes in the cgroups of the pod with this uid (empty once they are all gone)."""
         pids = set()
-        for mount in cgroup_mounts():
-            top = mount / "kubepods"
-            for pod in top.rglob(f"pod{uid}") if top.is_dir() else ():
-                for procs in pod.rglob("cgroup.procs"):
-                    with contextlib.suppress(OSError):
-                        pids.update(int(p) for p in procs.read_text().split())
+        for pod in pod_cgroups(uid):
+            for procs in pod.rglob("cgroup.procs"):
+                with contextlib.suppress(OSError):
+                    pids.update(int(p) for p in procs.read_text().split())
         return sorted(pids)
 
     @staticmethod
     def memory_peak(uid: str) -> int:
         """The most memory the pod with this uid has used (its memory cgroup's high-water mark), in bytes."""
-        for mount in cgroup_mounts():
-            top = mount / "kubepods"
-            for pod in top.rglob(f"pod{uid}") if top.is_dir() else ():
-                peak = pod / "memory.max_usage_in_bytes"  # cgroup v1; v2 has memory.peak
-                for path in (peak, pod / "memory.peak"):
-                    if path.exists():
-                        return int(path.read_text())
+        for pod in pod_cgroups(uid):
+            for name in ("memory.max_usage_in_bytes", "memory.peak"):  # cgroup v1, v2
+                if (pod / name).exists():
+                    return int((pod / name).read_text())
         return 0
 
     def pods_running(self, ns: str, title: str) -> list[str]:
@@ -450,6 +452,8 @@ class Node:
     def _stop(self) -> list[str]:
         t0 = time.monotonic()
         self._stopping.set()
+        if self._log_keeper:
+            self._log_keeper.join(timeout=30)  # its copy in progress ends before the state folder goes
         if self.cluster and "kubelet" in self.procs:
             self._drain()
         for name in ("kubelet", "kube-proxy", "coredns"):
