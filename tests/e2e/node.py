@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,10 @@ READY_TIMEOUT_S = 120
 TAINT = {"key": "finetune-e2e/pods", "value": "run", "effect": "NoSchedule"}
 IMAGE_GID = 100  # the image's group (user ray, uid 1000), which the chart's fsGroup names
 KEEP_LOGS_EVERY_S = 1.0
+# Room a pull needs beside the compressed layers it downloads: the project's image unpacks to 2.1x its gzip size
+# (6.94 GB from 3.34 GB); the spare is for the pods' logs, volumes and checkpoints.
+PULL_ROOM_FACTOR = 3.2
+PULL_SPARE_BYTES = 3 * 10**9
 
 
 class NodeError(ControlPlaneError):
@@ -326,11 +331,33 @@ class Node:
 
     def pull(self, ref: str) -> None:
         """The image into containerd's store, as the kubelet's first pull would put it there (unpacked): the
-        first pod that needs it then starts without a multi-gigabyte pull inside a test's time limit."""
-        sh(
-            "ctr", "--address", str(self.socket), "--namespace", "k8s.io", "images", "pull", "--plain-http",
-            "--hosts-dir", str(self.root / "certs.d"), ref, timeout=900,
+        first pod that needs it then starts without a multi-gigabyte pull inside a test's time limit. Refuses,
+        before pulling, a disk without room for it; afterwards drops the compressed layers, which containers never
+        read again (the kubelet's own pulls do the same through containerd's discard_unpacked_layers)."""
+        layers = self._manifest(ref)["layers"]
+        packed = sum(layer["size"] for layer in layers)
+        need = PULL_ROOM_FACTOR * packed + PULL_SPARE_BYTES
+        free = shutil.disk_usage(self.root).free
+        if free < need:
+            raise NodeError(
+                f"{self.root} has {free / 1e9:.1f} GB free; the node needs about {need / 1e9:.1f} GB there for "
+                f"{ref} ({packed / 1e9:.1f} GB compressed, unpacked beside it): free some disk space "
+                "(earlier image builds are pruned by `make image`; stale /tmp/ftnode-* state of a killed run too)"
+            )
+        ctr = ("ctr", "--address", str(self.socket), "--namespace", "k8s.io")
+        sh(*ctr, "images", "pull", "--plain-http", "--hosts-dir", str(self.root / "certs.d"), ref, timeout=900)
+        sh(*ctr, "content", "rm", *(layer["digest"] for layer in layers))
+
+    def _manifest(self, ref: str) -> dict:
+        """The image manifest of `ref` (localhost:PORT/NAME@DIGEST) from the local registry."""
+        name, digest = ref.split("/", 1)[1].split("@")
+        request = urllib.request.Request(
+            f"http://{self.registry.replace('localhost', '127.0.0.1')}/v2/{name}/manifests/{digest}",
+            headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json, "
+                     "application/vnd.oci.image.manifest.v1+json"},
         )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.load(response)
 
     def admit(self, ns: str) -> None:
         """The pods that namespace `ns` creates from now on may run on this node (its default toleration of the
@@ -655,6 +682,10 @@ def kubelet_config(root: Path, pki: Path, port: int, health: int) -> dict:
         "containerLogMaxSize": "200Mi",  # no rotation within a session: Node.logs() follows each file by offset
         "registerWithTaints": [TAINT],
         "evictionHard": {"nodefs.available": "1%", "imagefs.available": "1%", "memory.available": "100Mi"},
+        # The developer's disk is often over the default 85% in use: image GC would then delete the pulled image
+        # between two tests, and the next pod would pull it again inside its test's time limit.
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
         "clusterDomain": "cluster.local",
         "clusterDNS": [CLUSTER_DNS],
         "resolvConf": str(root / "resolv.conf"),

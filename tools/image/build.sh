@@ -156,6 +156,7 @@ main() {
     say "image built in $((SECONDS - t0)) s"
   fi
   push "$ref" "$push_ref" "$key" "$base_ref"
+  prune "$ref" "$base_ref" "$deb_ref"
   say "done in $((SECONDS - t_all)) s"
   cat "$record"
   echo "CONTAINERS_STORAGE_CONF=$img/storage.conf"
@@ -186,6 +187,23 @@ push() {
   } > "$tmp"
   mv "$tmp" "$record"
   say "pushed in $((SECONDS - t0)) s: $dest@$digest"
+}
+
+# prune KEEP...: removes the images of earlier builds and their steps (tools/image/prune.py says which), the records of
+# builds no longer in storage, and the registry's manifests no tag points at with their blobs: without it, every
+# rebuild leaves 4-7 GB behind and a day's work fills the disk. Keeps what the next build's layer cache reuses.
+prune() {
+  local ids record t0=$SECONDS
+  ids="$(python3 "$here/prune.py" "$img/storage" "$@")" || die "tools/image/prune.py failed (output above)"
+  if [ -n "$ids" ]; then
+    # shellcheck disable=SC2086  # image IDs, one per line
+    buildah rmi $ids >/dev/null || say "warning: could not remove every stale image (buildah rmi above)"
+  fi
+  for record in "$img"/built/*.env; do
+    [ -f "$record" ] && ! exists "$(sed -n 's/^IMAGE_LOCAL=//p' "$record")" && rm -f "$record"
+  done
+  "$here/registry.sh" gc
+  [ -z "$ids" ] || say "pruned $(echo "$ids" | wc -l) stale images in $((SECONDS - t0)) s"
 }
 
 main "$@"
