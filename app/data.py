@@ -463,7 +463,9 @@ def _row_places(file: str) -> list[str]:
         return [f"line {n + 1}" for n, line in enumerate(f) if line.strip()]
 
 
-def cache_key(cfg: DataConfig, tokenizer_name: str, split: str, seed: int) -> str:
+def cache_key(
+    cfg: DataConfig, tokenizer_name: str, split: str, seed: int, chat_version: str = chat.CACHE_VERSION
+) -> str:
     fields = [
         cfg.dataset,
         cfg.config_name,
@@ -476,7 +478,7 @@ def cache_key(cfg: DataConfig, tokenizer_name: str, split: str, seed: int) -> st
         tokenizer_name,
         seed,
         "v1",
-        *chat.cache_fields(cfg),
+        *chat.cache_fields(cfg, chat_version),
     ]
     return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()[:16]
 
@@ -540,14 +542,26 @@ def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
     return out
 
 
+def cache_folder(cfg: DataConfig, tokenizer_name: str, cache_dir: Path, seed: int) -> Path:
+    """The tokenized cache of this data: the current key's folder, unless an earlier version of the chat packing
+    wrote a complete cache of it into this experiment's folder (a resumed run then trains on the blocks it
+    started with, at the exact batch)."""
+    final = cache_dir / f"tokenized-{cache_key(cfg, tokenizer_name, cfg.split, seed)}"
+    if chat.cache_fields(cfg) and not (final / "done").exists():
+        for version in chat.EARLIER_CACHE_VERSIONS:
+            earlier = cache_dir / f"tokenized-{cache_key(cfg, tokenizer_name, cfg.split, seed, version)}"
+            if (earlier / "done").exists():
+                return earlier
+    return final
+
+
 def prepare(
     cfg: DataConfig, tokenizer, tokenizer_name: str, cache_dir: Path, seed: int, rank: int, barrier
 ) -> tuple[Any, Any]:
     """(train, eval or None) tokenized datasets, built by global rank 0 into the shared cache."""
     import datasets
 
-    key = cache_key(cfg, tokenizer_name, cfg.split, seed)
-    final = cache_dir / f"tokenized-{key}"
+    final = cache_folder(cfg, tokenizer_name, cache_dir, seed)
     if rank == 0 and not (final / "done").exists():
         raw, evalset = load_split(cfg, cfg.split), load_split(cfg, cfg.eval_split) if cfg.eval_split else None
         fmt = chat.resolve_format(cfg.format, raw.column_names)

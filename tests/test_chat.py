@@ -110,6 +110,59 @@ def test_dataset_labels_keep_each_conversation_and_its_mask(tok, tmp_path, packi
     assert runs(tok, batch["input_ids"][0, :n1].tolist(), batch["labels"][0, :n1].tolist()) == EXPECTED
 
 
+def test_best_fit_fills_the_tightest_block_longest_first():
+    # In order: [7] [5] [4,3] [6,2] [8] -> 5 blocks; best fit decreasing: 8+2, 7+3, 6+4, 5 -> 4 blocks.
+    bins = chat.best_fit([7, 5, 4, 3, 6, 2, 8], 10)
+    assert bins == [[0, 3], [1], [2, 4], [5, 6]]  # members in file order; blocks in the order of their first
+    assert sorted(i for b in bins for i in b) == list(range(7))
+    assert chat.best_fit([7, 5, 4, 3, 6, 2, 8], 10) == bins  # deterministic: a resume sees the same blocks
+
+
+def test_best_fit_pads_less_than_packing_in_order_on_mixed_lengths():
+    lengths = [int(x) for x in torch.randint(20, 1500, (4096,), generator=torch.Generator().manual_seed(0))]
+    bins = chat.best_fit(lengths, 2048)
+    assert all(sum(lengths[i] for i in b) <= 2048 for b in bins)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    in_order, room = 0, 0
+    for n in lengths:
+        if n > room:
+            in_order, room = in_order + 1, 2048
+        room -= n
+    used = sum(lengths) / (2048 * len(bins))
+    assert used > 0.97 and len(bins) < 0.9 * in_order, (used, len(bins), in_order)
+
+
+def test_packed_blocks_hold_whole_conversations_each_once(tok, tmp_path):
+    rows = [json.loads(line) for line in (REPO / "examples/data/tiny-chat.jsonl").read_text().splitlines()]
+    cfg, ds = tokenized(tok, tmp_path, rows, seq_length=256, chat_template="zephyr")
+    alone = sorted(
+        tuple(chat.fit(*chat.encode_chat(r["messages"], chat.TEMPLATES["zephyr"], tok, False), 256)[0]) for r in rows
+    )
+    found = []
+    for block in ds:
+        starts = [i for i, p in enumerate(block["position_ids"].tolist()) if p == 0] + [256]
+        pieces = [block["input_ids"][a:b].tolist() for a, b in itertools.pairwise(starts)]
+        real = pieces if block["labels"][starts[-2] :].ne(-100).any() else pieces[:-1]  # the padding's run
+        found += [tuple(p) for p in real]
+    assert sorted(found) == alone
+
+
+def test_an_experiment_keeps_the_chat_cache_an_earlier_packing_wrote(tmp_path):
+    cfg = DataConfig(dataset="chat.jsonl", format="chat", chat_template="zephyr")
+    current = data.cache_folder(cfg, "tok", tmp_path, 0)
+    earlier = tmp_path / f"tokenized-{data.cache_key(cfg, 'tok', cfg.split, 0, 'chat-v1')}"
+    assert current != earlier
+    earlier.mkdir()
+    assert data.cache_folder(cfg, "tok", tmp_path, 0) == current  # not complete: not used
+    (earlier / "done").write_text("ok\n")
+    assert data.cache_folder(cfg, "tok", tmp_path, 0) == earlier
+    current.mkdir()
+    (current / "done").write_text("ok\n")
+    assert data.cache_folder(cfg, "tok", tmp_path, 0) == current
+    text = DataConfig(dataset="corpus.txt", format="text")
+    assert data.cache_folder(text, "tok", tmp_path, 0).name == f"tokenized-{data.cache_key(text, 'tok', text.split, 0)}"
+
+
 def test_packed_conversations_compute_what_each_computes_alone(tok, tiny_model, tmp_path):
     rows = [json.loads(line) for line in (REPO / "examples/data/tiny-chat.jsonl").read_text().splitlines()[:12]]
     cfg, ds = tokenized(tok, tmp_path, rows, seq_length=256, chat_template="zephyr")
