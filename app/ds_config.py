@@ -37,7 +37,33 @@ def _check_precision(cfg: TrainingConfig) -> list[Problem]:
                     f"set train.precision={key} or deepspeed.{key}.enabled='auto'",
                 )
             )
-    return problems
+    return problems + _check_pure_bf16(cfg)
+
+
+def _check_pure_bf16(cfg: TrainingConfig) -> list[Problem]:
+    if not cfg.train.pure_bf16:
+        return []
+    if cfg.train.precision != "bf16":
+        return [
+            Problem(
+                "train.pure_bf16",
+                True,
+                f"keeps bf16 weights without an fp32 copy, but train.precision is {cfg.train.precision}",
+                "set train.precision: bf16, or train.pure_bf16: false",
+            )
+        ]
+    if cfg.deepspeed.zero_stage == 0:
+        return [
+            Problem(
+                "train.pure_bf16",
+                True,
+                "DeepSpeed keeps bf16 master weights only under ZeRO stage 1, 2 or 3; "
+                "deepspeed.zero_optimization.stage is 0",
+                "set deepspeed.zero_optimization.stage to 1, 2 or 3 (on one GPU they cost the same), or "
+                "train.pure_bf16: false",
+            )
+        ]
+    return []
 
 
 def global_batch(micro_batch_size: int, accumulation: int, world: int) -> int:
@@ -141,6 +167,8 @@ def build(
     for key in ("bf16", "fp16"):
         if isinstance(ds.get(key), dict) and ds[key].get("enabled") == AUTO:
             ds[key]["enabled"] = t.precision == key
+    if t.pure_bf16:  # the user's block may already name them; true here either way (_check_pure_bf16)
+        ds.setdefault("bf16", {}).update(enabled=True, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if ds.get("grad_accum_dtype") == AUTO:
         ds["grad_accum_dtype"] = {"bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")
     if t.precision != "bf16" and ds.get("grad_accum_dtype") == "bf16":

@@ -262,7 +262,8 @@ def _apply_fp8(model, compiled: bool) -> None:
 
 
 def build_optimizer(model, cfg: TrainConfig, offloaded: bool):
-    """AdamW; DeepSpeed's CPU Adam when the optimizer lives on the CPU (a torch AdamW crashes there)."""
+    """AdamW; DeepSpeed's CPU Adam when the optimizer lives on the CPU (a torch AdamW crashes there), its moments
+    in bf16 with train.pure_bf16 (torch's AdamW keeps them in the dtype of the bf16 partitions it is given)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -272,7 +273,7 @@ def build_optimizer(model, cfg: TrainConfig, offloaded: bool):
     if offloaded:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, fp32_optimizer_states=not cfg.pure_bf16, **kwargs)
     if torch.cuda.is_available():
         kwargs["fused"] = True  # torch's own fused kernel: no DeepSpeed op build at start
     return torch.optim.AdamW(groups, **kwargs)
