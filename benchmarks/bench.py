@@ -505,17 +505,18 @@ PURE = {"train.pure_bf16": True}
 
 
 def suite_chat_pure() -> list[Case]:
-    """The 1.1B chat pairs again, the app packing best fit decreasing as TRL does, and each lever on its own: ZeRO-2
-    against ZeRO-3 for full-parameter training, then pure bf16 (train.pure_bf16: weights, gradients and AdamW
-    moments in bf16, as TRL trains a model loaded in bf16) on ZeRO-2, for full-parameter and LoRA."""
+    """The 1.1B chat pairs again, the app packing best fit decreasing as TRL does, and each lever on its own: pure
+    bf16 (train.pure_bf16: weights, gradients and AdamW moments in bf16, as TRL trains a model loaded in bf16) on
+    ZeRO-2, for full-parameter and LoRA, then mixed precision on ZeRO-2 and ZeRO-3. In order of need: the deadline
+    cuts the tail."""
     return [
         chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=50, timeout=180),
-        chat_case("chat-l1b-full-z3", "llama-1.1b", 8, 3, False, estimate=70, timeout=180),
-        chat_case("chat-l1b-full-z2", "llama-1.1b", 8, 2, False, estimate=70, timeout=180),
         chat_case("chat-l1b-full-z2-pure", "llama-1.1b", 8, 2, False, sets=PURE, estimate=70, timeout=180),
         chat_case("trl-chat-l1b-lora", "llama-1.1b", 8, 3, True, runner="trl", estimate=50, timeout=180),
         chat_case("chat-l1b-lora-z2", "llama-1.1b", 8, 2, True, estimate=65, timeout=180),
         chat_case("chat-l1b-lora-z2-pure", "llama-1.1b", 8, 2, True, sets=PURE, estimate=65, timeout=180),
+        chat_case("chat-l1b-full-z2", "llama-1.1b", 8, 2, False, estimate=70, timeout=180),
+        chat_case("chat-l1b-full-z3", "llama-1.1b", 8, 3, False, estimate=70, timeout=180),
     ]
 
 
