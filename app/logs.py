@@ -32,6 +32,10 @@ NOISE = re.compile(
             r"is an Enum subclass and is now natively supported by torch\.compile",
             r"Token authentication is enabled for this Ray cluster",  # the local cluster is private to this process
             r"Setting accelerator to CPU",  # DeepSpeed, on purpose here
+            r"`use_return_dict` is deprecated",  # transformers 5, from Liger's patched forward on every step's model
+            # Liger 0.8 probing optional kernel backends (CuTe DSL, Ascend) that this image does not carry:
+            r"Backend impl '[^']+' for op '[^']+' could not be imported",
+            r"barrier\(\): using the device under current context",  # torch c10d: the device it picks is the rank's
             r"CUDA-enabled jaxlib is not installed",  # JAX, imported by a library; this app does not use it
             r"has constructor arguments in the object store",  # Ray Train's PreemptionWatcher, a Ray-internal note
             r"Failed to send resource request for",  # Ray Train's autoscaling client on a busy CPU; "safe to ignore"

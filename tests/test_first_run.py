@@ -192,6 +192,15 @@ def test_captured_disassembly_never_reaches_the_log():
         '(TrainController pid=3)   File "/x/ray/train/v2/_internal/execution/controller.py", line 1, in run',
         "2026-11-30 11:22:28,828\tINFO worker.py:2038 -- Started a local Ray instance.",
         "[2026-11-30 11:22:04,127] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.",
+        # Seen on one H200 (docs/benchmarks.md's chat-pure run), each once per worker:
+        "(RayTrainWorker pid=7) 2026-12-01 16:15:40 WARNING transformers.utils.generic: `use_return_dict` is "
+        "deprecated! Use `return_dict` instead!",
+        "(RayTrainWorker pid=7) 2026-12-01 16:15:41 WARNING liger_kernel.ops.backends: Backend impl "
+        "'liger_kernel.ops.backends._cutedsl.rope' for op 'rope' could not be imported: ImportError: cutedsl backend "
+        "requires the NVIDIA CUTLASS Python DSL (CuTe DSL).",
+        "(RayTrainWorker pid=7) 2026-12-01 16:15:34 WARNING py.warnings: /x/torch/distributed/c10d_logger.py:83: "
+        "UserWarning: barrier(): using the device under current context. You can specify `device_id` in "
+        "`init_process_group` to mute this warning.",
     ],
 )
 def test_the_quiet_view_hides(line):
