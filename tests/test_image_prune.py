@@ -17,6 +17,9 @@ APP, BASE, DEB = (
 )
 
 
+OLD_BASE = "localhost/ray-standin:2.60.0-py311-cu130-old"
+
+
 def storage(tmp_path, images, layers):
     (tmp_path / "overlay-images").mkdir()
     (tmp_path / "overlay-layers").mkdir()
@@ -40,12 +43,19 @@ def test_earlier_builds_and_their_steps_are_named_the_current_chain_is_kept(tmp_
         {"id": "i-torch-step", "names": [], "layer": "torch"},  # a step the next build's cache reuses
         {"id": "i-app", "names": [APP], "layer": "app"},
         {"id": "i-olddeps-step", "layer": "olddeps"},  # a step of the earlier build only
-        {"id": "i-oldapp", "names": ["localhost/ray-finetune:0.1.0-old"], "layer": "oldapp"},
-        {"id": "i-oldbase", "names": ["localhost/ray-standin:2.60.0-py311-cu130-old"], "layer": "oldbase"},
+        # Two keys of one image (a rebuild whose steps were all cached): removed by name, as buildah refuses its ID.
+        {
+            "id": "i-oldapp",
+            "names": ["localhost/ray-finetune:0.1.0-old", "localhost/ray-finetune:0.1.0-older"],
+            "layer": "oldapp",
+        },
+        {"id": "i-oldbase", "names": [OLD_BASE], "layer": "oldbase"},
         {"id": "i-user", "names": ["docker.io/library/python:3.11"], "layer": "oldapp"},  # not ours to remove
     ]
     root = storage(tmp_path, images, layers)
-    assert prune(root, APP, BASE, DEB) == ["i-oldapp", "i-oldbase", "i-olddeps-step"]
+    assert prune(root, APP, BASE, DEB) == sorted(
+        ["i-olddeps-step", "localhost/ray-finetune:0.1.0-old", "localhost/ray-finetune:0.1.0-older", OLD_BASE]
+    )
 
 
 def test_nothing_is_named_when_storage_holds_only_the_current_build(tmp_path):

@@ -196,14 +196,14 @@ prune() {
   local ids record t0=$SECONDS
   ids="$(python3 "$here/prune.py" "$img/storage" "$@")" || die "tools/image/prune.py failed (output above)"
   if [ -n "$ids" ]; then
-    # shellcheck disable=SC2086  # image IDs, one per line
+    # shellcheck disable=SC2086  # image names and IDs, one per line
     buildah rmi $ids >/dev/null || say "warning: could not remove every stale image (buildah rmi above)"
   fi
   for record in "$img"/built/*.env; do
     [ -f "$record" ] && ! exists "$(sed -n 's/^IMAGE_LOCAL=//p' "$record")" && rm -f "$record"
   done
   "$here/registry.sh" gc
-  [ -z "$ids" ] || say "pruned $(echo "$ids" | wc -l) stale images in $((SECONDS - t0)) s"
+  [ -z "$ids" ] || say "pruned $(echo "$ids" | wc -l) stale images and names in $((SECONDS - t0)) s"
 }
 
 main "$@"

@@ -4,9 +4,10 @@ Every rebuild of the image leaves its predecessor in buildah's storage (7 GB unp
 changed), and a machine's disk fills within a day of work. Kept: the images named KEEP (the current build, its
 stand-in base and the Debian minbase), every untagged image whose top layer lies in one of their layer chains (the
 steps buildah's --layers cache reuses on the next build), and every image with a name outside this project's three
-repositories. Printed, one per line: the other images of those repositories, and the untagged images of no kept
-chain (the steps of earlier builds). Reads containers-storage's overlay-images/images.json and
-overlay-layers/layers.json (the storage of tools/image/build.sh, not locked while no buildah runs); removes nothing.
+repositories. Printed, one per line: the names of the other images of those repositories, and the IDs of the
+untagged images of no kept chain (the steps of earlier builds). Reads containers-storage's
+overlay-images/images.json and overlay-layers/layers.json (the storage of tools/image/build.sh, not locked while
+no buildah runs); removes nothing.
 """
 
 import json
@@ -17,6 +18,7 @@ OURS = ("localhost/ray-finetune:", "localhost/ray-standin:", "localhost/finetune
 
 
 def stale(images: list[dict], parents: dict[str, str | None], keep: set[str]) -> list[str]:
+    """What `buildah rmi` is given: names of stale tagged images, IDs of stale untagged ones."""
     kept = [i for i in images if keep & set(i.get("names") or [])]
     chain: set[str] = set()
     for image in kept:
@@ -30,7 +32,7 @@ def stale(images: list[dict], parents: dict[str, str | None], keep: set[str]) ->
         if image in kept:
             continue
         if names and all(n.startswith(OURS) for n in names):
-            out.append(image["id"])
+            out += names  # by name: an image of several names is removed with its last (buildah refuses its ID)
         elif not names and image.get("layer") not in chain:
             out.append(image["id"])
     return out
