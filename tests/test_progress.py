@@ -204,6 +204,10 @@ def train(
     return output
 
 
+# make test-all only: e2e shows the same through the real RayJob (`finetune status` at the last step after helm
+# install, the resumed run's checkpoint after a redeploy); publishing at each interval is test_publishes_every_
+# interval_and_at_once_when_forced here; and the unit suite needs its 30 s for the 20-minute budget.
+@pytest.mark.slow
 def test_training_publishes_progress_on_its_rayjob(fake, tiny_model, tmp_path):
     output = train(tiny_model, tmp_path, "progress-e2e", steps=6, every=3)
     final = published(fake)
