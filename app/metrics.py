@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from app import charts
+from app import charts, profiling
 from app.progress import duration
 from app.tracking import MlflowSender
 
@@ -136,6 +136,12 @@ class MetricsLogger:
         if self.mlflow:
             self.mlflow.metrics(self.start_step, {f"startup_{name}_s": sec for name, sec in phases.items()})
         return record
+
+    def profile(self, step: int, summary: dict[str, Any]) -> None:
+        """Where step `step`'s time went (app/profiling.py), as a `profile` record and one log line."""
+        self.jsonl.write(json.dumps({"kind": "profile", "time": time.time(), "step": step, **summary}) + "\n")
+        self.jsonl.flush()
+        log.info(f"profile of step {step}: {profiling.headline(summary)}")
 
     def _track(self, step: int, record: dict[str, Any]) -> None:
         """One step's record to MLflow, under the names a dashboard expects."""

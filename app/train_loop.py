@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, data, faults, logs, lora, opbuild, preemption
+from app import checkpoint, data, faults, logs, lora, opbuild, preemption, profiling
 from app.config import TrainConfig, TrainingConfig
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
@@ -70,6 +70,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     checkpoints = CheckpointManager(saver, policy, cfg, rank, world, metrics)
 
     engine.train()
+    profiler = profiling.StepProfiler.of(rank, metrics)  # a diagnostic, off unless asked for
     last: dict[str, Any] = {}
     preempted = False
     for epoch in range(position["epoch"], t.epochs):
@@ -77,7 +78,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             break
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
         for step_in_epoch, micro_batches in batches.epoch(epoch, first, policy.steps_per_epoch, window.clock):
-            loss, tokens = train_step(engine, micro_batches, step + 1)
+            loss, tokens = train_step(engine, micro_batches, step + 1, profiler)
             step += 1
             checkpoints.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
@@ -179,17 +180,20 @@ def optimizer_steps(batches: Iterable[dict[str, Any]], accumulation: int) -> Ite
         yield group
 
 
-def train_step(engine, micro_batches: list[dict[str, Any]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    engine, micro_batches: list[dict[str, Any]], step: int, profiler: profiling.StepProfiler = profiling.OFF
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them).
     Returns the summed micro-batch losses and the number of tokens that counted in the loss."""
     losses = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
-    for batch in micro_batches:
-        loss = faults.maybe_poison(engine(**batch).loss, step)  # test-only NaN drill: off unless set
-        engine.backward(loss)
-        engine.step()
-        losses += loss.detach()
-        tokens += (batch["labels"][:, 1:] != -100).sum()
+    with profiler.step(step):
+        for batch in micro_batches:
+            loss = faults.maybe_poison(engine(**batch).loss, step)  # test-only NaN drill: off unless set
+            engine.backward(loss)
+            engine.step()
+            losses += loss.detach()
+            tokens += (batch["labels"][:, 1:] != -100).sum()
     return losses, tokens
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from app import profiling
 from app.config import ConfigError
 from benchmarks import assets
 from benchmarks.make_weights import weights_folder
@@ -520,6 +521,36 @@ def suite_chat_pure() -> list[Case]:
     ]
 
 
+def profiled(case: Case, name: str | None = None, **sets: Any) -> Case:
+    """`case` with one timed step profiled (app/profiling.py: where its time goes), which then goes untimed: one
+    more step is run. `sets` are further config overrides (dotted keys with "__" for ".")."""
+    extra = {k.replace("__", "."): v for k, v in sets.items()}
+    return dataclasses.replace(
+        case,
+        name=name or case.name,
+        sets={**case.sets, **extra},
+        steps=case.steps + 1,
+        env={**case.env, profiling.STEP_ENV: str(case.warmup + 2)},
+    )
+
+
+def suite_profile() -> list[Case]:
+    """Where a step's time goes, app against peer, one profiled step each: the full-parameter and LoRA chat pairs
+    against TRL (1.1B, one GPU), the full-parameter case without background saves (their host buffers are
+    reserved while training runs), then the text 1.1B ZeRO-3 pair against Trainer + Liger."""
+    full = chat_case("chat-l1b-full-z2-pure", "llama-1.1b", 8, 2, False, sets=PURE, estimate=75, timeout=180)
+    text = {c.name: c for c in suite_peer1()}
+    return [
+        profiled(chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=50, timeout=180)),
+        profiled(full),
+        profiled(full, "chat-l1b-full-z2-pure-sync", checkpoint__async_save=False),
+        profiled(chat_case("chat-l1b-lora-z2", "llama-1.1b", 8, 2, True, estimate=65, timeout=180)),
+        profiled(chat_case("trl-chat-l1b-lora", "llama-1.1b", 8, 3, True, runner="trl", estimate=50, timeout=180)),
+        profiled(text["l1b-z3-mb16-1gpu"]),
+        profiled(text["hf-liger-l1b-z3-mb16-1gpu"]),
+    ]
+
+
 def suite_chat_diag() -> list[Case]:
     """The chat case's variants that located its non-finite gradients from step 1 (a tokenizer without the
     template's markers, since fixed in assets.model_folder; docs/benchmarks.md, History): without Liger, unpacked
@@ -616,6 +647,7 @@ SUITES = {
     "chat-diag": suite_chat_diag,
     "chat-pure": suite_chat_pure,
     "chat-diag2": suite_chat_diag2,
+    "profile": suite_profile,
 }
 
 

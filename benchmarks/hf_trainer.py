@@ -69,7 +69,7 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from app import config as config_mod
-    from app import data, ds_config, metrics
+    from app import data, ds_config, metrics, profiling
     from app.model import hidden_size, load_model, load_model_config, load_tokenizer, model_facts
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
@@ -112,17 +112,18 @@ def main() -> None:
                 self.losses.append(round(float(logs["loss"]), 4))
 
     clock = Clock()
+    profiler = profiler_callback()(profiling.profiled_step() if rank == 0 else None)
     trainer = Trainer(
         model=model,
         args=targs,
         train_dataset=train_set,
-        callbacks=[clock],
+        callbacks=[profiler, clock],
         **({"data_collator": collate} if collate else {}),
     )
     trainer.train()
     if rank != 0:
         return
-    times = [b - a for a, b in zip(clock.ends[:-1], clock.ends[1:])][max(args.warmup - 1, 0) :]
+    times = [clock.ends[n - 1] - clock.ends[n - 2] for n in timed_steps(clock.ends, args.warmup, profiler.at)]
     per_step = t.micro_batch_size * t.gradient_accumulation_steps * (cfg.data.seq_length - 1)  # as the app counts
     step_s = sum(times) / len(times)
     tps = per_step / step_s
@@ -134,7 +135,37 @@ def main() -> None:
     }
     if peak:
         result["mfu"] = round(tps * fpt / peak, 4)
+    if profiler.summary:
+        result["profile"] = {"step": profiler.at, **profiler.summary}
     Path(args.out).write_text(json.dumps(result))
+
+
+def profiler_callback():
+    """A TrainerCallback that profiles optimizer step `at` (app/profiling.py; FINETUNE_PROFILE_STEP), as the app's
+    loop does: from the step's beginning to its end."""
+    import contextlib
+
+    from transformers import TrainerCallback
+
+    from app import profiling
+
+    class Profiler(TrainerCallback):
+        def __init__(self, at: int | None):
+            self.at, self.summary, self.stack = at, {}, contextlib.ExitStack()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == self.at:
+                self.summary = self.stack.enter_context(profiling.profile(True))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.stack.close()
+
+    return Profiler
+
+
+def timed_steps(ends: list[float], warmup: int, profiled: int | None) -> list[int]:
+    """The steps (from 1) to time, step n ending at ends[n - 1]: not the first `warmup`, nor the profiled one."""
+    return [n for n in range(2, len(ends) + 1) if n > warmup and n != profiled]
 
 
 def timing(clock, times: list[float], launch: float) -> dict:

@@ -171,9 +171,9 @@ def startup_phases(metrics: Path, records: list[dict[str, Any]], launch: float) 
     return out
 
 
-def summarise(records: list[dict[str, Any]], warmup: int, launch: float) -> dict[str, Any]:
-    """Figures over the timed steps (those after `warmup`)."""
-    timed = records[warmup:]
+def summarise(records: list[dict[str, Any]], warmup: int, launch: float, profiled: int | None = None) -> dict[str, Any]:
+    """Figures over the timed steps: those after `warmup`, but not the `profiled` one (the profiler slows it)."""
+    timed = [r for r in records[warmup:] if r.get("step") != profiled]
     out: dict[str, Any] = {
         "steps_logged": len(records),
         "steps_timed": len(timed),
@@ -264,8 +264,11 @@ def run_app(case: Case, cfg_path: Path, run_dir: Path, shared_cache: Path, log_p
     else:
         failure = follow(proc, metrics, None if case.checkpoint else need, case.timeout, launch)
     records = read_records(metrics)
-    result = summarise(records, case.warmup, launch)
+    profiles = read_records(metrics, "profile")
+    result = summarise(records, case.warmup, launch, profiles[0]["step"] if profiles else None)
     result["startup"] = startup_phases(metrics, records, launch)
+    if profiles:
+        result["profile"] = {k: v for k, v in profiles[0].items() if k not in ("kind", "time")}
     if failure and (len(records) < need or case.saves):
         result["error"] = f"{failure}: {error_lines(log_path.read_text(errors='replace'))}"
     if case.saves:

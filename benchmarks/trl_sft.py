@@ -58,10 +58,10 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from app import attention, chat, ds_config, metrics
+    from app import attention, chat, ds_config, metrics, profiling
     from app import config as config_mod
     from app.model import hidden_size, load_model_config, load_tokenizer, model_facts
-    from benchmarks.hf_trainer import trainer_args
+    from benchmarks.hf_trainer import profiler_callback, trainer_args
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
     cfg = config_mod.resolve(config_mod.load(args.config))
@@ -121,28 +121,29 @@ def main() -> None:
             return super().training_step(model, inputs, *rest, **kw)
 
     clock = Clock()
+    profiler = profiler_callback()(profiling.profiled_step() if rank == 0 else None)
     trainer = Counting(
         model=cfg.model.name_or_path,
         args=sft,
         train_dataset=train_set,
         processing_class=tokenizer,
         peft_config=peft,
-        callbacks=[clock],
+        callbacks=[profiler, clock],
     )
     trainer.train()
     if rank != 0:
         return
-    write_result(args, cfg, clock, launch, trainer.model, mc, attn, metrics, hidden_size)
+    write_result(args, cfg, clock, launch, trainer.model, mc, attn, metrics, hidden_size, profiler)
 
 
-def write_result(args, cfg, clock, launch, model, mc, attn, metrics, hidden_size) -> None:
+def write_result(args, cfg, clock, launch, model, mc, attn, metrics, hidden_size, profiler) -> None:
     import torch
 
-    from benchmarks.hf_trainer import timing
+    from benchmarks.hf_trainer import timed_steps, timing
 
-    skip = max(args.warmup - 1, 0)
-    times = [b - a for a, b in zip(clock.ends[:-1], clock.ends[1:])][skip:]
-    targets = clock.targets[1:][skip:]
+    timed = timed_steps(clock.ends, args.warmup, profiler.at)
+    times = [clock.ends[n - 1] - clock.ends[n - 2] for n in timed]
+    targets = [clock.targets[n - 1] for n in timed]
     tps = sum(targets) / sum(times)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
@@ -159,6 +160,8 @@ def write_result(args, cfg, clock, launch, model, mc, attn, metrics, hidden_size
         "weights_dtype": "bfloat16",
         "deepspeed": args.deepspeed,
     }
+    if profiler.summary:
+        result["profile"] = {"step": profiler.at, **profiler.summary}
     peak = metrics.peak_flops()
     if peak:
         result["mfu"] = round(tps * fpt / peak, 4)

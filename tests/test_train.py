@@ -11,8 +11,8 @@ import torch
 from conftest import losses, run_cli, tiny_overrides
 
 
-def train(storage: Path, name: str, model: Path, **extra) -> str:
-    result = run_cli("train", *tiny_overrides(storage, name, model, **extra))
+def train(storage: Path, name: str, model: Path, env: dict | None = None, **extra) -> str:
+    result = run_cli("train", *tiny_overrides(storage, name, model, **extra), env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout + result.stderr
 
@@ -34,9 +34,10 @@ RESUME = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model):
-    """An uninterrupted ZeRO-3 run of 16 steps, and the same run stopped at step 5 and resumed by a new driver."""
+    """An uninterrupted ZeRO-3 run of 16 steps (its step 3 profiled), and the same run stopped at step 5 and
+    resumed by a new driver."""
     storage = tmp_path_factory.mktemp("storage")
-    train(storage, "full", tiny_model, **RESUME)
+    train(storage, "full", tiny_model, env={"FINETUNE_PROFILE_STEP": "3"}, **RESUME)
     stopped = train(storage, "resumed", tiny_model, **RESUME, **{"train.stop_after_steps": 5})
     resumed = train(storage, "resumed", tiny_model, **RESUME, **{"checkpoint.export_final": True})
     return storage, stopped, resumed
@@ -54,6 +55,10 @@ def test_zero3_learns(runs):
     assert len(startup) == 1 and startup[0]["time"] <= steps[0]["time"], startup
     assert list(startup[0]["phases_s"]) == ["ray_started", "worker", "imports", "data", "model", "engine"]
     assert all(v >= 0 for v in startup[0]["phases_s"].values()), startup
+    # FINETUNE_PROFILE_STEP: that step's profile, once, from rank 0 (no GPU here: no kernels, all idle).
+    profiles = [r for r in records if r["kind"] == "profile"]
+    assert [p["step"] for p in profiles] == [3] and profiles[0]["wall_ms"] > 0, profiles
+    assert profiles[0]["kernels"] == 0 and profiles[0]["gpu_idle_ms"] == profiles[0]["wall_ms"], profiles
     # The run records the DeepSpeed config it resolved (the chart does not compute one): every "auto" filled.
     ds = json.loads((storage / "full" / "ds_config.json").read_text())
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2

@@ -1,0 +1,51 @@
+"""The step profiler's summary (app/profiling.py): kernel kinds, busy time as a union of intervals, and the
+profiler handing one step's summary to the metrics logger."""
+
+from __future__ import annotations
+
+import torch
+
+from app import profiling
+
+
+def test_kernel_names_fall_into_kinds():
+    cases = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "nvjet_tst_192x192_64x3_1x2_h_bz_coopB_TNN": "matmul",
+        "void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>": "attention",
+        "_rms_norm_backward_kernel": "liger",
+        "liger_cross_entropy_kernel": "liger",
+        "void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor>": "optimizer",
+        "Memcpy DtoH (Device -> Pinned)": "copy",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>": "other",
+    }
+    assert {name: profiling.kind_of(name) for name in cases} == cases
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    assert profiling._busy_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert profiling._busy_us([]) == 0
+
+
+def test_the_profiled_step_alone_reaches_the_metrics_logger(monkeypatch):
+    class Sink:
+        def __init__(self):
+            self.got = []
+
+        def profile(self, step, summary):
+            self.got.append((step, summary))
+
+    sink = Sink()
+    monkeypatch.setenv(profiling.STEP_ENV, "2")
+    profiler = profiling.StepProfiler.of(0, sink)
+    assert profiling.StepProfiler.of(1, sink).at is None  # rank 0 only
+    for step in (1, 2, 3):
+        with profiler.step(step):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+    assert [step for step, _ in sink.got] == [2]
+    summary = sink.got[0][1]
+    assert summary["wall_ms"] > 0 and summary["gpu_busy_ms"] == 0 and set(summary) >= {"by_kind_ms", "top_kernels_ms"}
+    assert "wall" in profiling.headline(summary)
+    monkeypatch.setenv(profiling.STEP_ENV, "soon")
+    assert profiling.profiled_step() is None
