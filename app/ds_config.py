@@ -41,9 +41,7 @@ def _check_precision(cfg: TrainingConfig) -> list[Problem]:
 
 
 def _check_pure_bf16(cfg: TrainingConfig) -> list[Problem]:
-    if not cfg.train.pure_bf16:
-        return []
-    if cfg.train.precision != "bf16":
+    if cfg.train.pure_bf16 and cfg.train.precision != "bf16":
         return [
             Problem(
                 "train.pure_bf16",
@@ -52,18 +50,15 @@ def _check_pure_bf16(cfg: TrainingConfig) -> list[Problem]:
                 "set train.precision: bf16, or train.pure_bf16: false",
             )
         ]
-    if cfg.deepspeed.zero_stage == 0:
-        return [
-            Problem(
-                "train.pure_bf16",
-                True,
-                "DeepSpeed keeps bf16 master weights only under ZeRO stage 1, 2 or 3; "
-                "deepspeed.zero_optimization.stage is 0",
-                "set deepspeed.zero_optimization.stage to 1, 2 or 3 (on one GPU they cost the same), or "
-                "train.pure_bf16: false",
-            )
-        ]
     return []
+
+
+def plain_bf16(cfg: TrainingConfig) -> bool:
+    """train.pure_bf16 under ZeRO stage 0: DeepSpeed's mixed precision is off (it has no bf16 master weights at stage
+    0) and the model, cast to bf16, is updated directly by the client AdamW, which also clips: the step plain
+    PyTorch takes, with DeepSpeed's engine (gradient averaging, checkpoints) around it. Under ZeRO 1-3 DeepSpeed's
+    own bf16_master_weights_and_grads and bf16_optimizer_states do it instead."""
+    return cfg.train.pure_bf16 and cfg.deepspeed.zero_stage == 0
 
 
 def global_batch(micro_batch_size: int, accumulation: int, world: int) -> int:
@@ -167,7 +162,10 @@ def build(
     for key in ("bf16", "fp16"):
         if isinstance(ds.get(key), dict) and ds[key].get("enabled") == AUTO:
             ds[key]["enabled"] = t.precision == key
-    if t.pure_bf16:  # the user's block may already name them; true here either way (_check_pure_bf16)
+    if plain_bf16(cfg):  # the model is bf16 already; the app's AdamW clips (DeepSpeed's clipping is per tensor)
+        ds.setdefault("bf16", {}).update(enabled=False)
+        ds["gradient_clipping"] = ds["gradient_clipping"] if "optimizer" in ds else 0.0
+    elif t.pure_bf16:  # the user's block may already name them; true here either way (_check_pure_bf16)
         ds.setdefault("bf16", {}).update(enabled=True, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if ds.get("grad_accum_dtype") == AUTO:
         ds["grad_accum_dtype"] = {"bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")

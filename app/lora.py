@@ -27,6 +27,8 @@ PROJECTIONS = (
     ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),  # OPT, Phi
 )
 
+ADAPTER_KEY = "lora_"  # in the name of every adapter weight PEFT adds (lora_A, lora_B)
+
 
 def target_modules(model, spec) -> list[str]:
     """The module names that get adapters: `spec`, or for "auto" the first PROJECTIONS family the model has."""
@@ -105,7 +107,7 @@ def export(weights: dict[str, torch.Tensor], hf: Path, out: Path, dtype, base: s
     base = base or config.base_model_name_or_path
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config)
     result = model.load_state_dict(weights, strict=False)
-    adapters = [k for k, _ in model.named_parameters() if "lora_" in k]
+    adapters = [k for k, _ in model.named_parameters() if ADAPTER_KEY in k]
     if result.unexpected_keys or any(k in result.missing_keys for k in adapters):
         raise RuntimeError(
             f"the checkpoint's adapters do not fit {base}: missing "

@@ -261,9 +261,10 @@ def _apply_fp8(model, compiled: bool) -> None:
         layer.forward = forward.__get__(layer)
 
 
-def build_optimizer(model, cfg: TrainConfig, offloaded: bool):
+def build_optimizer(model, cfg: TrainConfig, offloaded: bool, clips: bool = False):
     """AdamW; DeepSpeed's CPU Adam when the optimizer lives on the CPU (a torch AdamW crashes there), its moments
-    in bf16 with train.pure_bf16 (torch's AdamW keeps them in the dtype of the bf16 partitions it is given)."""
+    in bf16 with train.pure_bf16 (torch's AdamW keeps them in the dtype of the bf16 partitions it is given).
+    `clips`: the optimizer clips to train.max_grad_norm itself (ClippingAdamW: DeepSpeed's mixed precision is off)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -276,7 +277,28 @@ def build_optimizer(model, cfg: TrainConfig, offloaded: bool):
         return DeepSpeedCPUAdam(groups, adamw_mode=True, fp32_optimizer_states=not cfg.pure_bf16, **kwargs)
     if torch.cuda.is_available():
         kwargs["fused"] = True  # torch's own fused kernel: no DeepSpeed op build at start
+    if clips:
+        return ClippingAdamW(groups, max_norm=cfg.max_grad_norm, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+class ClippingAdamW(torch.optim.AdamW):
+    """torch's AdamW that first clips the gradients to a global norm of `max_norm` (0: measures it only), with
+    torch's multi-tensor kernels, and keeps the norm where DeepSpeed's engine reads it (`_global_grad_norm`). For
+    ZeRO stage 0 without DeepSpeed's mixed precision, where the engine would clip tensor by tensor and report no
+    norm."""
+
+    def __init__(self, params, max_norm: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self.max_norm, self._global_grad_norm = max_norm, None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self._global_grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if self.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, self._global_grad_norm, foreach=True)
+        return super().step(closure)
 
 
 def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from app import checkpoint, data, faults, logs, lora, opbuild, preemption, profiling
 from app.config import TrainConfig, TrainingConfig
+from app.ds_config import plain_bf16
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
 from app.nonfinite import NonFiniteError, NonFiniteGuard
@@ -129,9 +130,13 @@ def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: in
 
     started = time.perf_counter()
     model = load_model(cfg.model, ds_config, separate_documents=packed)
+    plain = plain_bf16(cfg)
+    if plain:
+        model = model.to(torch.bfloat16)  # DeepSpeed's mixed precision is off: nothing else casts it
     marks["model"] = time.time()
     t = cfg.train
-    optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, cfg.deepspeed.optimizer_offloaded)
+    offloaded = cfg.deepspeed.optimizer_offloaded
+    optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, offloaded, clips=plain)
     # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
     engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -139,6 +144,8 @@ def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: in
         config=ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, t, total_steps),
     )
+    if plain:  # stage 0: averaging one worker's gradients would only copy them twice
+        engine.enable_backward_allreduce = engine.dp_world_size > 1
     if cfg.model.compile:
         engine.compile()  # compiles lazily, at the first forward pass
     log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")

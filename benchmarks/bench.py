@@ -551,6 +551,26 @@ def suite_profile() -> list[Case]:
     ]
 
 
+STAGE0 = {**PURE, "deepspeed.zero_optimization.stage": 0}  # no DeepSpeed mixed precision: the app's AdamW steps
+HOST_REGISTER = {"PYTORCH_CUDA_ALLOC_CONF": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"}
+
+
+def suite_plain() -> list[Case]:
+    """Pure bf16 at ZeRO stage 0 (ds_config.plain_bf16: the bf16 model stepped by the app's clipping AdamW, no
+    DeepSpeed wrapper), full-parameter and LoRA against TRL, one step of each app case profiled; then the host
+    buffers of background saves, reserved after the first step, pinned by malloc + cudaHostRegister in 8 threads
+    instead of cudaHostAlloc, and no background saves at all (nothing reserved)."""
+    full = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=90, timeout=180)
+    return [
+        profiled(full),
+        chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=45, timeout=180),
+        profiled(chat_case("chat-l1b-lora-z0-pure", "llama-1.1b", 8, 0, True, sets=STAGE0, estimate=90, timeout=180)),
+        chat_case("trl-chat-l1b-lora", "llama-1.1b", 8, 3, True, runner="trl", estimate=45, timeout=180),
+        dataclasses.replace(full, name="chat-l1b-full-z0-pure-hostreg", env=HOST_REGISTER),
+        profiled(full, "chat-l1b-full-z0-pure-sync", checkpoint__async_save=False),
+    ]
+
+
 def suite_chat_diag() -> list[Case]:
     """The chat case's variants that located its non-finite gradients from step 1 (a tokenizer without the
     template's markers, since fixed in assets.model_folder; docs/benchmarks.md, History): without Liger, unpacked
@@ -648,6 +668,7 @@ SUITES = {
     "chat-pure": suite_chat_pure,
     "chat-diag2": suite_chat_diag2,
     "profile": suite_profile,
+    "plain": suite_plain,
 }
 
 

@@ -96,11 +96,12 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "out2").eval()(ids).logits.float(), a)
 
 
-@pytest.mark.slow  # two more experiments of three runs each (zero3-offload also builds DeepSpeed's CPU Adam)
+@pytest.mark.slow  # three more experiments of three runs each (zero3-offload also builds DeepSpeed's CPU Adam)
 @pytest.mark.parametrize(
     "stage",
     [
         pytest.param({"deepspeed.zero_optimization.stage": 2}, id="zero2"),
+        pytest.param({"deepspeed.zero_optimization.stage": 0, "train.pure_bf16": True}, id="zero0-pure-bf16"),
         pytest.param(
             {
                 "deepspeed.zero_optimization.offload_optimizer": "{device: cpu}",

@@ -1,5 +1,6 @@
 """A Hugging Face folder (safetensors + tokenizer) from a checkpoint, consolidated from ZeRO shards with
-DeepSpeed's public zero_to_fp32 utility."""
+DeepSpeed's public zero_to_fp32 utility (at ZeRO stage 0, which has no shards, from the module state the engine
+saved whole)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from app import lora
 from app.checkpoint.layout import STATE_FILE, TAG, plain_modes, read_state
 
+STAGE0_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the whole module (and, at stage 0, optimizer)
+
 
 def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: Path | str | None = None) -> Path:
     """A Hugging Face folder (safetensors + tokenizer) from a checkpoint, consolidated from ZeRO shards.
@@ -21,7 +24,6 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: 
     and tokenizer. A LoRA checkpoint (app.lora) gives the merged model and `adapter/`; its base weights are read
     where the run read them, or from `model_source`.
     """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -44,10 +46,10 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: 
     dtype = dtype or state.get("precision", "bf16")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     if ours and lora.is_lora_checkpoint(checkpoint / "hf"):  # adapters only; `model_source`: another copy of the base
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag, exclude_frozen_parameters=True)
+        weights = _weights(checkpoint, tag, adapters_only=True)
         hf = checkpoint / "hf"
         return _publish(out, lambda tmp: lora.export(weights, hf, tmp, torch_dtype, model_source), hf)
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
+    weights = _weights(checkpoint, tag)
     config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -58,6 +60,20 @@ def export(checkpoint: Path, out: Path, dtype: str | None = None, model_source: 
         raise RuntimeError(f"checkpoint {checkpoint} lacks weights for {missing[:5]}")
     model = model.to(torch_dtype)
     return _publish(out, lambda tmp: model.save_pretrained(tmp, safe_serialization=True), source)
+
+
+def _weights(checkpoint: Path, tag: str | None, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+    """The trained weights in fp32 (with `adapters_only`, a LoRA run's adapters): consolidated from ZeRO's
+    partitions, or, where the engine saved no partitions (ZeRO stage 0), its module state."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = checkpoint / (tag or (checkpoint / "latest").read_text().strip())
+    if any(folder.glob("*optim_states.pt")) or not (folder / STAGE0_STATES).exists():
+        return get_fp32_state_dict_from_zero_checkpoint(
+            str(checkpoint), tag=tag, exclude_frozen_parameters=adapters_only
+        )
+    module = torch.load(folder / STAGE0_STATES, map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in module.items() if not adapters_only or lora.ADAPTER_KEY in k}
 
 
 def _publish(out: Path, write, source) -> Path:
