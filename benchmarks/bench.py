@@ -571,6 +571,21 @@ def suite_plain() -> list[Case]:
     ]
 
 
+def suite_plain2() -> list[Case]:
+    """After `plain`, with the register-based pinned memory as the workers' default: FP8 matmuls on top of stage-0
+    pure bf16 (full-parameter 1.1B), the bf16 case again, both against TRL in this run; then the 8B LoRA pair."""
+    full = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
+    fp8 = dataclasses.replace(full, name="chat-l1b-full-z0-pure-fp8", sets={**full.sets, "model.fp8": True})
+    eight = {"warmup": 2, "steps": 5}
+    return [
+        dataclasses.replace(fp8, estimate=95),
+        chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=45, timeout=180),
+        full,
+        chat_case("trl-chat-l8b-lora", "llama-8b", 4, 3, True, runner="trl", estimate=190, timeout=300, **eight),
+        chat_case("chat-l8b-lora-z0-pure", "llama-8b", 4, 0, True, sets=STAGE0, estimate=110, timeout=240, **eight),
+    ]
+
+
 def suite_chat_diag() -> list[Case]:
     """The chat case's variants that located its non-finite gradients from step 1 (a tokenizer without the
     template's markers, since fixed in assets.model_folder; docs/benchmarks.md, History): without Liger, unpacked
@@ -669,6 +684,7 @@ SUITES = {
     "chat-diag2": suite_chat_diag2,
     "profile": suite_profile,
     "plain": suite_plain,
+    "plain2": suite_plain2,
 }
 
 
