@@ -304,6 +304,7 @@ class CheckpointManager:
             "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
             "precision": t.precision,
+            "zero_stage": cfg.zero_stage,  # a resume at another stage is refused (checkpoint.ResumePlan)
             "experiment": cfg.experiment.name,
         }
         self.saves: list[float] = []  # seconds each save of this attempt took, from its start until it was complete

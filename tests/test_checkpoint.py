@@ -134,6 +134,24 @@ def test_resume_plan_problems_name_the_workers():
     assert plan.gradient_accumulation_steps is None and "needs ZeRO stage 1, 2 or 3" in plan.problems[0].message
 
 
+def test_a_resume_at_another_zero_stage_is_refused_with_the_stage_it_needs():
+    """DeepSpeed cannot load a checkpoint of one stage at another (a traceback on every worker, measured for 2 -> 0,
+    0 -> 2 and 2 -> 3): the plan refuses it before the cluster starts. Checkpoints that predate the record pass."""
+    from app.checkpoint import ResumePlan
+    from app.config import parse
+
+    state = {"world_size": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 1, "zero_stage": 2}
+    for stage in (0, 3):
+        cfg = parse({"scaling": {"num_workers": 2}, "deepspeed": {"zero_optimization": {"stage": stage}}})
+        (problem,) = ResumePlan.decide("step-00000004", state, cfg).problems
+        assert problem.field == "deepspeed.zero_optimization.stage" and problem.value == stage, problem
+        assert "written at ZeRO stage 2" in problem.message and "stage=2" in problem.fix, problem
+    same = parse({"scaling": {"num_workers": 2}, "deepspeed": {"zero_optimization": {"stage": 2}}})
+    assert ResumePlan.decide("step-00000004", state, same) == ResumePlan("step-00000004")
+    old = {k: v for k, v in state.items() if k != "zero_stage"}
+    assert ResumePlan.decide("step-00000004", old, parse({"scaling": {"num_workers": 2}})).problems == ()
+
+
 # --- the loop's pieces ----------------------------------------------------------------------------------------
 
 

@@ -92,6 +92,15 @@ class ResumePlan:
     def decide(cls, name: str, state: dict[str, Any], cfg: TrainingConfig) -> ResumePlan:
         """Pure: from a checkpoint's trainer state and the config."""
         saved, workers, t = state.get("world_size"), cfg.scaling.num_workers, cfg.train
+        stage = state.get("zero_stage")  # absent in checkpoints written before it was recorded
+        if stage is not None and stage != cfg.zero_stage:
+            message = (
+                f"the experiment's last checkpoint ({name}) was written at ZeRO stage {stage}, and DeepSpeed cannot "
+                "load one stage's optimizer state at another (stage 0 saves it whole, stages 1-2 and 3 in "
+                "differently laid out partitions)"
+            )
+            fix = f"set deepspeed.zero_optimization.stage={stage}, or start a new experiment name"
+            return cls(name, problems=(Problem("deepspeed.zero_optimization.stage", cfg.zero_stage, message, fix),))
         if not saved or saved == workers:
             return cls(name)
         where = f"the experiment's last checkpoint ({name}) was written by {saved} workers"
