@@ -283,19 +283,22 @@ def build_optimizer(model, cfg: TrainConfig, offloaded: bool, clips: bool = Fals
 
 
 class ClippingAdamW(torch.optim.AdamW):
-    """torch's AdamW that first clips the gradients to a global norm of `max_norm` (0: measures it only), with
-    torch's multi-tensor kernels, and keeps the norm where DeepSpeed's engine reads it (`_global_grad_norm`). For
-    ZeRO stage 0 without DeepSpeed's mixed precision, where the engine would clip tensor by tensor and report no
-    norm."""
+    """torch's fused AdamW that first clips the gradients to a global norm of `max_norm` (0: measures it only),
+    with torch's multi-tensor kernels, keeps the norm where DeepSpeed's engine reads it (`_global_grad_norm`), and
+    skips the update of a step whose norm is not finite, as DeepSpeed's own bf16 optimizers do. For ZeRO stage 0
+    without DeepSpeed's mixed precision, where the engine would clip tensor by tensor and report no norm."""
 
     def __init__(self, params, max_norm: float, **kwargs):
-        super().__init__(params, **kwargs)
+        super().__init__(params, **{**kwargs, "fused": True})  # fused on CPUs too: `found_inf` needs it
         self.max_norm, self._global_grad_norm = max_norm, None
 
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         self._global_grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # Read by the fused kernel, as under GradScaler: set, it leaves weights, moments and step count as they
+        # were, with no host sync here (the loop's NonFiniteGuard counts the step).
+        self.found_inf = (~torch.isfinite(self._global_grad_norm)).float()
         if self.max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, self._global_grad_norm, foreach=True)
         return super().step(closure)

@@ -159,6 +159,14 @@ def test_the_clipping_adamw_clips_to_the_global_norm():
     measuring.step()  # max_norm 0: measures, leaves the gradients as they are
     assert abs(float(measuring._global_grad_norm) - 1.0) < 1e-4
     assert torch.equal(torch.cat([p.grad for p in params]).norm(), clipped)
+    # A non-finite gradient: the norm says so, and the update is skipped (weights, moments, step count).
+    before = [p.detach().clone() for p in params]
+    params[1].grad[0] = float("inf")
+    opt.param_groups[0]["lr"] = 0.1  # an update would move the weights
+    opt.step()
+    assert not torch.isfinite(opt._global_grad_norm)
+    assert all(torch.equal(p, b) for p, b in zip(params, before)), "a non-finite step changed the weights"
+    assert all(float(opt.state[p]["step"]) == 1 for p in params), [opt.state[p]["step"] for p in params]
 
 
 @pytest.mark.slow
