@@ -238,13 +238,19 @@ def _apply_fp8(model, compiled: bool) -> None:
         )
     if problems := fp8_problems(model):
         raise problems[0]
+    convert_to_fp8(model, fp8_linears(model), compiled)
+
+
+def convert_to_fp8(root: torch.nn.Module, linears: list[torch.nn.Module], compiled: bool) -> None:
+    """Swap `linears` (modules under `root`) for torchao's Float8Linear, in place, their cast-and-matmul compiled
+    when `compiled`. benchmarks/fp8_shapes.py times single layers through this same path."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
-    targets = {id(m) for m in fp8_linears(model)}
-    convert_to_float8_training(model, module_filter_fn=lambda mod, _: id(mod) in targets)
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
-    if not compiled:
+    targets = {id(m) for m in linears}
+    convert_to_float8_training(root, module_filter_fn=lambda mod, _: id(mod) in targets)
+    layers = [m for m in root.modules() if isinstance(m, Float8Linear)]
+    if not compiled or not layers:
         return
     # One graph per (input, weight) shape, for training and for evaluation (no grad): about 10 for a Llama.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
@@ -254,7 +260,8 @@ def _apply_fp8(model, compiled: bool) -> None:
         return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
 
     def forward(self, x):
-        return fp8_matmul(x, self.weight, self.linear_mm_config, self.config)
+        out = fp8_matmul(x, self.weight, self.linear_mm_config, self.config)
+        return out if self.bias is None else out + self.bias.to(out.dtype)  # Qwen2's q/k/v have biases
 
     for layer in layers:
         layer.linear_mm_config, layer.config = layers[0].linear_mm_config, layers[0].config

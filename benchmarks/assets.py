@@ -31,7 +31,7 @@ def words_of(vocab: int) -> int:
 @dataclass(frozen=True)
 class Shape:
     name: str
-    kind: str  # "gpt2" or "llama"
+    kind: str  # "gpt2", "llama" or "qwen2"
     vocab: int
     hidden: int
     layers: int
@@ -53,6 +53,24 @@ class Shape:
                 n_head=self.heads,
                 bos_token_id=0,
                 eos_token_id=0,
+                dtype="bfloat16",
+            )
+        if self.kind == "qwen2":
+            from transformers import Qwen2Config
+
+            return Qwen2Config(
+                vocab_size=self.vocab,
+                hidden_size=self.hidden,
+                intermediate_size=self.intermediate,
+                num_hidden_layers=self.layers,
+                num_attention_heads=self.heads,
+                num_key_value_heads=self.kv_heads,
+                max_position_embeddings=self.context,
+                rope_theta=self.rope_theta,
+                tie_word_embeddings=True,
+                bos_token_id=0,
+                eos_token_id=0,
+                pad_token_id=0,
                 dtype="bfloat16",
             )
         from transformers import LlamaConfig
@@ -86,6 +104,8 @@ SHAPES = {
         Shape(
             "llama-8b", "llama", 128256, 4096, 32, 32, kv_heads=8, intermediate=14336, context=8192, rope_theta=500000.0
         ),
+        # Qwen2-0.5B dimensions: a small hidden size (896), q/k/v biases, tied embeddings, a 151,936-token vocabulary.
+        Shape("qwen2-0.5b", "qwen2", 151936, 896, 24, 14, kv_heads=2, intermediate=4864, context=32768, rope_theta=1e6),
         # Tiny shapes for the CPU smoke suite.
         Shape("tiny-gpt2", "gpt2", 1000, 64, 2, 2, context=512),
         Shape("tiny-llama", "llama", 1000, 64, 2, 4, kv_heads=2, intermediate=172, context=512),

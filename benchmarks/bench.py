@@ -586,6 +586,28 @@ def suite_plain2() -> list[Case]:
     ]
 
 
+def qwen_text(name: str, **kw) -> Case:
+    """The Qwen2-0.5B shape on text, as the 1.1B's peer1 case: ZeRO-3, 16 x 2048, Liger, one GPU."""
+    sets = {"scaling.num_workers": 1, **kw.pop("sets", {})}
+    return llama(name, "qwen2-0.5b", 16, 3, True, sets=sets, estimate=kw.pop("estimate", 80), **kw)
+
+
+def suite_fp8rule() -> list[Case]:
+    """FP8 where it pays (benchmarks/fp8_shapes.py runs first, timing each projection shape): FP8 on top of stage-0
+    pure bf16 against TRL (full-parameter chat, 1.1B), the Qwen2-0.5B shape in bf16 and FP8, then the text 1.1B
+    ZeRO-3 pair against Trainer + Liger with one step of each profiled."""
+    full = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
+    text = {c.name: c for c in suite_peer1()}
+    return [
+        dataclasses.replace(full, name="chat-l1b-full-z0-pure-fp8", sets={**full.sets, **FP8}, estimate=95),
+        chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=45, timeout=180),
+        qwen_text("q05-z3-mb16-1gpu"),
+        qwen_text("q05-z3-mb16-1gpu-fp8", sets=FP8, estimate=90),
+        profiled(text["l1b-z3-mb16-1gpu"]),
+        profiled(text["hf-liger-l1b-z3-mb16-1gpu"]),
+    ]
+
+
 def suite_chat_diag() -> list[Case]:
     """The chat case's variants that located its non-finite gradients from step 1 (a tokenizer without the
     template's markers, since fixed in assets.model_folder; docs/benchmarks.md, History): without Liger, unpacked
@@ -660,6 +682,7 @@ def suite_smoke() -> list[Case]:
 SUITES = {
     "peer": suite_peer,
     "peer1": suite_peer1,
+    "fp8rule": suite_fp8rule,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,

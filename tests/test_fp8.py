@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -103,3 +105,22 @@ def test_compiled_casts_compute_what_eager_casts_compute(tmp_path):
     torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def test_the_compiled_path_keeps_the_layers_biases(monkeypatch):
+    """The app replaces Float8Linear.forward to compile only the cast-and-matmul; Qwen2's q/k/v projections have
+    biases, which that forward must add as torchao's own does. torch.compile is left out (identity) to keep this
+    fast: test_compiled_casts_compute_what_eager_casts_compute covers the compilation."""
+    from app.model import convert_to_fp8
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=True), torch.nn.Linear(48, 16, bias=False))
+    with torch.no_grad():
+        eager[0].bias.uniform_(1.0, 2.0)  # large enough that a dropped bias shows
+    replaced = copy.deepcopy(eager)
+    convert_to_fp8(eager, list(eager), compiled=False)
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **_: fn or (lambda f: f))
+    convert_to_fp8(replaced, list(replaced), compiled=True)
+    assert all("forward" in vars(layer) for layer in replaced)  # the app's forward is the one running
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(replaced(x), eager(x))
