@@ -526,7 +526,8 @@ def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
             num_proc=num_proc,
             desc="tokenize+pack",
         )
-        out.set_format("torch", columns=COLUMNS_PACKED)
+        if len(out):  # no whole block at all: prepare() says so, naming data.seq_length
+            out.set_format("torch", columns=COLUMNS_PACKED)
         return out
 
     def pad(batch: dict[str, list]) -> dict[str, list]:
@@ -588,8 +589,13 @@ def prepare(
             raise Problem(
                 "data.seq_length",
                 cfg.seq_length,
-                "the split yields no training sequence",
-                "use more data or a shorter seq_length",
+                "the split yields no training sequence"
+                + (
+                    f" (packing keeps whole {cfg.seq_length}-token blocks only, as the tokenizer counts tokens)"
+                    if cfg.packing
+                    else ""
+                ),
+                "use more data or a shorter seq_length, or check that model.tokenizer turns this text into tokens",
             )
         tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

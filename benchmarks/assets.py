@@ -142,7 +142,7 @@ def model_folder(root: Path, shape: Shape) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     out = root / "models" / shape.name
-    tokenizer = out / "tokenizer.json"
+    tokenizer = tokenizer_folder(out) / "tokenizer.json"
     if (out / "config.json").exists() and tokenizer.exists() and MARKERS[-1] in tokenizer.read_text():
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -150,11 +150,17 @@ def model_folder(root: Path, shape: Shape) -> Path:
     vocab = {EOS: 0, **{f"t{i}": i for i in range(1, words + 1)}, **{m: words + 1 + n for n, m in enumerate(MARKERS)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS
-    ).save_pretrained(out)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS)
+    fast.save_pretrained(out)
+    fast.save_pretrained(tokenizer_folder(out))
     shape.hf_config().save_pretrained(out)
     return out
+
+
+def tokenizer_folder(model: Path) -> Path:
+    """The word-level tokenizer alone, for `model.tokenizer`: beside a config.json, transformers' AutoTokenizer
+    takes the model type's own class (Qwen2's BPE, which turns these words into no tokens at all)."""
+    return model / "tokenizer"
 
 
 def corpus(root: Path, lengths: Lengths, vocab: int, tokens: int, seed: int = 0) -> Path:

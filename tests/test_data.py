@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import CORPUS
 from transformers import AutoTokenizer
 
 from app import data
-from app.config import DataConfig
+from app.config import DataConfig, Problem
 
 
 def tokenized(tiny_model, **kw):
@@ -174,3 +175,14 @@ def test_a_failed_cache_write_leaves_no_half_written_cache(tiny_model, tmp_path,
     assert len(train) > 0 and [p.name for p in tmp_path.iterdir()] == [
         f"tokenized-{data.cache_key(cfg, str(tiny_model), cfg.split, 0)}"
     ]
+
+
+def test_too_few_tokens_for_one_packed_block_is_named_not_a_traceback(tiny_model, tmp_path):
+    """Packing keeps whole seq_length blocks only: data (or a tokenizer) that yields less than one block ends with
+    the field and the fix, not datasets' "Columns [...] not in the dataset"."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.pad_token = tok.eos_token
+    cfg = DataConfig(dataset=str(CORPUS), split="train[:3]", seq_length=1024, packing=True)
+    with pytest.raises(Problem, match=r"data.seq_length: the split yields no training sequence \(packing keeps"):
+        data.prepare(cfg, tok, str(tiny_model), tmp_path, 0, 0, barrier=lambda: None)
+    assert list(tmp_path.iterdir()) == []  # nothing cached
