@@ -7,11 +7,14 @@ model shape; the folder's tokenizer is used unless `model.tokenizer` names anoth
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from app.config import ModelConfig, Problem, TrainConfig, TrainingConfig
+
+log = logging.getLogger("finetune")
 
 RANDOM_INIT = "random-init:"
 
@@ -115,9 +118,12 @@ def attention_kernel(cfg: ModelConfig, separate_documents: bool) -> str:
     return cfg.attn_implementation
 
 
-def load_model(cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: bool = False):
+def load_model(
+    cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: bool = False, tokens: int | None = None
+):
     """The model, built partitioned under ZeRO-3 (HfDeepSpeedConfig makes from_pretrained use zero.Init).
-    `separate_documents`: batches are packed blocks from app.data.PackedCollator."""
+    `separate_documents`: batches are packed blocks from app.data.PackedCollator. `tokens`: per micro-batch, for
+    model.fp8's choice of layers (fp8_pays); None converts every layer FP8 can take."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
@@ -147,7 +153,7 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: 
     if use_liger(cfg):
         _apply_liger(model, required=cfg.liger_kernels is True)
     if cfg.fp8:
-        _apply_fp8(model, compiled=torch.cuda.is_available())
+        _apply_fp8(model, compiled=torch.cuda.is_available(), tokens=tokens)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -205,6 +211,20 @@ def fp8_linears(model) -> list[torch.nn.Module]:
     ]
 
 
+# FP8 pays for a linear layer when its matmul does enough work per element it casts. With t tokens, a layer of
+# i inputs and o outputs does 6*t*i*o FLOPs forward and backward and casts about 2*(t*i + i*o + t*o) elements, a
+# ratio of 3/(1/t + 1/i + 1/o). benchmarks/fp8_shapes.py on one H200 (docs/benchmarks.md, 2026-12-01): every
+# projection of the Qwen2-0.5B, Llama 1.1B and Llama-3-8B shapes with 1/(1/t + 1/i + 1/o) of 1,376 or more ran
+# 1.10-1.41x faster in FP8, every one of 993 or less 0.20-0.97x (torchao's casts and their host-side dispatch cost
+# about a millisecond a layer whatever its size): the threshold sits between.
+FP8_MIN_INTENSITY = 1200
+
+
+def fp8_pays(layer: torch.nn.Linear, tokens: int) -> bool:
+    """Whether FP8 makes `layer`'s forward and backward faster at `tokens` tokens per micro-batch (the rule above)."""
+    return 1 / (1 / tokens + 1 / layer.in_features + 1 / layer.out_features) >= FP8_MIN_INTENSITY
+
+
 def fp8_problems(model) -> list[Problem]:
     """model.fp8 on a model with nothing to convert would train in bf16 while saying FP8: refused. Checked on
     the meta-device model before any cluster starts (driver.check) and again on the real one."""
@@ -221,13 +241,14 @@ def fp8_problems(model) -> list[Problem]:
     ]
 
 
-def _apply_fp8(model, compiled: bool) -> None:
+def _apply_fp8(model, compiled: bool, tokens: int | None = None) -> None:
     """FP8 matmuls for the decoder layers' linear layers through torchao's float8 training (dynamic tensorwise
     scales; the weights, gradients and optimizer stay bf16/fp32, only each matmul's inputs are cast). The output
     head stays bf16: Liger's fused loss reads its weight directly. `compiled`: the cast-and-matmul function (not
     the module, whose hooks ZeRO-3 owns) goes through torch.compile, which fuses each cast into one kernel (eager,
     the casts made steps 1.8-2.4x slower than bf16: docs/benchmarks.md); the modules share one matmul config so
-    that a compiled graph serves every layer of the same shape."""
+    that a compiled graph serves every layer of the same shape. Only layers that gain from FP8 at `tokens` per
+    micro-batch are converted (fp8_pays); the others stay bf16, so that model.fp8 is never slower than bf16."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability()
         raise Problem(
@@ -238,7 +259,25 @@ def _apply_fp8(model, compiled: bool) -> None:
         )
     if problems := fp8_problems(model):
         raise problems[0]
-    convert_to_fp8(model, fp8_linears(model), compiled)
+    candidates = fp8_linears(model)
+    chosen = candidates if tokens is None else [m for m in candidates if fp8_pays(m, tokens)]
+    if tokens is not None:
+        log.info(fp8_choice(model, chosen, candidates, tokens))
+    convert_to_fp8(model, chosen, compiled)
+
+
+def fp8_choice(model, chosen: list, candidates: list, tokens: int) -> str:
+    """One line: which projections run in FP8 at this micro-batch size and which stay bf16."""
+    names = {id(m): name.rsplit(".", 1)[-1] for name, m in model.named_modules()}
+    fp8 = sorted({names[id(m)] for m in chosen})
+    kept = sorted({names[id(m)] for m in candidates} - set(fp8))
+    head = f"model.fp8: {len(chosen)} of {len(candidates)} linear layers run FP8 matmuls at {tokens:,} tokens"
+    head += " a micro-batch"
+    return (
+        head
+        + (f" ({', '.join(fp8)})" if fp8 else "")
+        + (f"; {', '.join(kept)} stay bf16: their shape gains nothing from FP8 (docs/benchmarks.md)" if kept else "")
+    )
 
 
 def convert_to_fp8(root: torch.nn.Module, linears: list[torch.nn.Module], compiled: bool) -> None:

@@ -745,7 +745,7 @@ def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
         "experiment.name": case.name,
         "experiment.storage_path": str(work / "storage"),
         "model.name_or_path": source,
-        "model.tokenizer": str(model),
+        "model.tokenizer": str(assets.tokenizer_folder(model)),
         "data.dataset": str(corpus),
         "data.split": "train",
         "data.eval_split": None,

@@ -1,6 +1,8 @@
 """Which linear layers gain from FP8: each distinct projection of the Qwen2-0.5B, Llama 1.1B and Llama-3-8B shapes,
 forward and backward at the tokens per micro-batch the benchmarks train with, in bf16 (torch.nn.Linear) and through
-the app's own FP8 path (app.model.convert_to_fp8: torchao's float8 training, casts compiled). One GPU.
+the app's own FP8 path (app.model.convert_to_fp8: torchao's float8 training, casts compiled). One GPU. Each layer is
+timed alone (wall clock: the host's dispatch and the GPU's kernels, whichever is longer) and profiled (the GPU's
+kernel time alone).
 
     python -m benchmarks.fp8_shapes --out OUT/fp8_shapes.json
 
@@ -59,6 +61,17 @@ def time_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, it
     return (time.perf_counter() - started) * 1000 / iters
 
 
+def gpu_ms(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: int = 5) -> float:
+    """Milliseconds a forward + backward keeps the GPU busy (kernel time, app.profiling): what the layer costs
+    when the host runs ahead of the GPU, as it does in a step that is GPU-bound."""
+    from app import profiling
+
+    with profiling.profile(True) as summary:
+        for _ in range(iters):
+            layer(x).backward(grad)
+    return summary["gpu_busy_ms"] / iters
+
+
 def _sync(x: torch.Tensor) -> None:
     if x.is_cuda:
         torch.cuda.synchronize()
@@ -79,10 +92,16 @@ def measure(tokens: int, in_features: int, out_features: int, bias: bool, iters:
     compile_s = time.time() - compile_started
     ms_bf16, ms_fp8 = time_fwd_bwd(bf16, x, grad, iters), time_fwd_bwd(fp8, x, grad, iters)
     flops = 6 * tokens * in_features * out_features
+    gpu = (
+        {f"{name}_gpu_ms": round(gpu_ms(m, x, grad), 3) for name, m in (("bf16", bf16), ("fp8", fp8))}
+        if x.is_cuda
+        else {}
+    )
     return {
         "bf16_ms": round(ms_bf16, 3),
         "fp8_ms": round(ms_fp8, 3),
         "fp8_speedup": round(ms_bf16 / ms_fp8, 3),
+        **gpu,
         "bf16_tflops": round(flops / ms_bf16 / 1e9, 1),
         "fp8_first_call_s": round(compile_s, 1),
     }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +126,44 @@ def test_the_compiled_path_keeps_the_layers_biases(monkeypatch):
     assert all("forward" in vars(layer) for layer in replaced)  # the app's forward is the one running
     x = torch.randn(8, 32)
     torch.testing.assert_close(replaced(x), eager(x))
+
+
+RECORD = Path(__file__).parent.parent / "benchmarks" / "results" / "2026-12-01-fp8-shapes.json"
+
+
+def test_the_fp8_rule_agrees_with_every_measured_shape():
+    """app.model.fp8_pays against benchmarks/fp8_shapes.py's record (one H200): FP8 for exactly the projections
+    that ran faster in FP8, at the tokens a micro-batch they were timed with."""
+    from app.model import fp8_pays
+
+    rows = json.loads(RECORD.read_text())["rows"]
+    assert {r["model"] for r in rows} == {"qwen2-0.5b", "llama-1.1b", "llama-8b"}
+    for r in rows:
+        layer = torch.nn.Linear(r["in"], r["out"], device="meta")
+        assert fp8_pays(layer, r["tokens"]) == (r["fp8_speedup"] > 1.0), r
+
+
+@pytest.mark.parametrize(
+    "shape, tokens, fp8",
+    [
+        ("qwen2-0.5b", 16 * 2048, set()),  # nothing gains: FP8 on is the bf16 model
+        ("llama-1.1b", 8 * 2048, {"gate_proj", "up_proj", "down_proj"}),
+        ("llama-1.1b", 16 * 2048, {"gate_proj", "up_proj", "down_proj"}),
+        ("llama-8b", 4 * 2048, {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+    ],
+)
+def test_fp8_converts_the_layers_that_gain_at_the_micro_batch(shape, tokens, fp8, caplog):
+    """The choice on the real shapes (meta device: no memory), and the line the log gets."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from app.model import _apply_fp8, meta_model
+    from benchmarks.assets import SHAPES
+
+    model = meta_model(SHAPES[shape].hf_config())
+    with caplog.at_level("INFO", logger="finetune"):
+        _apply_fp8(model, compiled=False, tokens=tokens)
+    converted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == fp8
+    line = caplog.messages[-1]
+    assert line.startswith(f"model.fp8: {len(fp8) * SHAPES[shape].layers} of {7 * SHAPES[shape].layers} linear")
+    assert ("stay bf16" in line) == (len(fp8) < 7)
