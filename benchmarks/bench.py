@@ -608,6 +608,36 @@ def suite_fp8rule() -> list[Case]:
     ]
 
 
+def suite_fp8rule2() -> list[Case]:
+    """With model.fp8 converting only the layers that gain (app.model.fp8_pays; fp8_shapes.py runs first, with each
+    layer's GPU time): the Qwen2-0.5B shape in bf16 and FP8 (where nothing converts), then the text 1.1B ZeRO-3
+    case in bf16 (one step profiled: against Trainer + Liger's profile of the fp8rule run) and FP8."""
+    text = {c.name: c for c in suite_peer1()}["l1b-z3-mb16-1gpu"]
+    return [
+        qwen_text("q05-z3-mb16-1gpu"),
+        qwen_text("q05-z3-mb16-1gpu-fp8", sets=FP8),
+        profiled(text),
+        dataclasses.replace(text, name="l1b-z3-mb16-1gpu-fp8", sets={**text.sets, **FP8}, estimate=85),
+    ]
+
+
+def suite_full8b() -> list[Case]:
+    """Full-parameter chat SFT of the 8B shape on one H200 against TRL (pure bf16 at stage 0 against TRL's bf16
+    model: weights, gradients and AdamW moments bf16 on both sides; activation checkpointing on both, as 16 GB of
+    weights, 16 of gradients and 32 of moments leave no room for the activations; no background saves: their 48 GB
+    of pinned host buffers would be reserved during the few timed steps), then the 1.1B FP8 pair."""
+    eight = {"warmup": 2, "steps": 5, "timeout": 300}
+    ckpt = {"model.gradient_checkpointing": True}
+    app_sets = {**STAGE0, **ckpt, "checkpoint.async_save": False}
+    full = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
+    return [
+        chat_case("chat-l8b-full-z0-pure", "llama-8b", 4, 0, False, sets=app_sets, estimate=170, **eight),
+        chat_case("trl-chat-l8b-full", "llama-8b", 4, 3, False, runner="trl", sets=ckpt, estimate=120, **eight),
+        dataclasses.replace(full, name="chat-l1b-full-z0-pure-fp8", sets={**full.sets, **FP8}, estimate=95),
+        chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=45, timeout=180),
+    ]
+
+
 def suite_chat_diag() -> list[Case]:
     """The chat case's variants that located its non-finite gradients from step 1 (a tokenizer without the
     template's markers, since fixed in assets.model_folder; docs/benchmarks.md, History): without Liger, unpacked
@@ -683,6 +713,8 @@ SUITES = {
     "peer": suite_peer,
     "peer1": suite_peer1,
     "fp8rule": suite_fp8rule,
+    "fp8rule2": suite_fp8rule2,
+    "full8b": suite_full8b,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,
