@@ -55,27 +55,11 @@ class Shape:
                 eos_token_id=0,
                 dtype="bfloat16",
             )
-        if self.kind == "qwen2":
-            from transformers import Qwen2Config
+        from transformers import LlamaConfig, Qwen2Config
 
-            return Qwen2Config(
-                vocab_size=self.vocab,
-                hidden_size=self.hidden,
-                intermediate_size=self.intermediate,
-                num_hidden_layers=self.layers,
-                num_attention_heads=self.heads,
-                num_key_value_heads=self.kv_heads,
-                max_position_embeddings=self.context,
-                rope_theta=self.rope_theta,
-                tie_word_embeddings=True,
-                bos_token_id=0,
-                eos_token_id=0,
-                pad_token_id=0,
-                dtype="bfloat16",
-            )
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
+        # Qwen2: q/k/v biases (its modelling code's own), tied embeddings; Llama: neither.
+        qwen2 = self.kind == "qwen2"
+        return (Qwen2Config if qwen2 else LlamaConfig)(
             vocab_size=self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.intermediate,
@@ -83,9 +67,9 @@ class Shape:
             num_attention_heads=self.heads,
             num_key_value_heads=self.kv_heads or self.heads,
             max_position_embeddings=self.context,
-            rms_norm_eps=1e-5,
+            rms_norm_eps=1e-6 if qwen2 else 1e-5,
             rope_theta=self.rope_theta,
-            tie_word_embeddings=False,
+            tie_word_embeddings=qwen2,
             bos_token_id=0,
             eos_token_id=0,
             pad_token_id=0,
