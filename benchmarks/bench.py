@@ -611,13 +611,15 @@ def suite_fp8rule() -> list[Case]:
 def suite_fp8rule2() -> list[Case]:
     """With model.fp8 converting only the layers that gain (app.model.fp8_pays; fp8_shapes.py runs first, with each
     layer's GPU time): the Qwen2-0.5B shape in bf16 and FP8 (where nothing converts), then the text 1.1B ZeRO-3
-    case in bf16 (one step profiled: against Trainer + Liger's profile of the fp8rule run) and FP8."""
+    case in bf16 (one step profiled: against Trainer + Liger's profile of the fp8rule run) and FP8, then its ZeRO-2
+    start-up (random-init weights now built on the GPU)."""
     text = {c.name: c for c in suite_peer1()}["l1b-z3-mb16-1gpu"]
     return [
         qwen_text("q05-z3-mb16-1gpu"),
         qwen_text("q05-z3-mb16-1gpu-fp8", sets=FP8),
         profiled(text),
         dataclasses.replace(text, name="l1b-z3-mb16-1gpu-fp8", sets={**text.sets, **FP8}, estimate=85),
+        llama("l1b-z2-mb16-1gpu", "llama-1.1b", 16, 2, True, sets={"scaling.num_workers": 1}, estimate=80),
     ]
 
 

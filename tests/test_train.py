@@ -199,3 +199,18 @@ def test_export_gives_the_engines_logits(tiny_model, tmp_path):
 def test_stages_learn(stage, tmp_path, tiny_model):
     train(tmp_path, "stage", tiny_model, **{"train.max_steps_per_epoch": 10, "train.log_every_steps": 1}, **stage)
     assert_learns(tmp_path / "stage")
+
+
+def test_a_random_init_model_is_built_on_the_workers_gpu_unless_zero3_partitions_it(monkeypatch):
+    """Initialising the weights on the CPU of a Ray worker took 35.5 s for the 1.1B at ZeRO-2 (one H200 host);
+    on the GPU the engine would move it to anyway it takes a second (docs/benchmarks.md, start-up)."""
+    import contextlib
+
+    from app.model import random_init_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert random_init_device(zero3=False) == torch.device("cuda", 1)
+    assert isinstance(random_init_device(zero3=True), contextlib.nullcontext)  # zero.Init places it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert isinstance(random_init_device(zero3=False), contextlib.nullcontext)
