@@ -61,7 +61,9 @@ def summarise(events: list[Any], wall_s: float, top: int = 12) -> dict[str, Any]
     kernels: dict[str, float] = {}
     intervals, sync_us = [], 0.0
     for e in events:
-        if e.device_type == DeviceType.CUDA:
+        # A record_function range (the optimizer's "Optimizer.step#AdamW.step") also lands on the GPU's timeline,
+        # spanning the kernels it launched: counted, it doubled the optimizer's time.
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             us = e.time_range.end - e.time_range.start
             kinds[kind_of(e.name)] = kinds.get(kind_of(e.name), 0.0) + us
             kernels[e.name] = kernels.get(e.name, 0.0) + us

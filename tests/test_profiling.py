@@ -49,3 +49,25 @@ def test_the_profiled_step_alone_reaches_the_metrics_logger(monkeypatch):
     assert "wall" in profiling.headline(summary)
     monkeypatch.setenv(profiling.STEP_ENV, "soon")
     assert profiling.profiled_step() is None
+
+
+def test_gpu_side_annotations_are_not_kernels():
+    """torch's optimizers wrap step() in a record_function, which the profiler also puts on the GPU timeline over
+    the kernels it launched: the summary counts the kernels once and the annotation not at all."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, annotation=False):
+        span = SimpleNamespace(start=start, end=end)
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, time_range=span, is_user_annotation=annotation)
+
+    events = [
+        event("Optimizer.step#ClippingAdamW.step", 0, 9000, annotation=True),
+        event("void multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", 1000, 6000),
+        event("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", 10000, 12000),
+    ]
+    summary = profiling.summarise(events, wall_s=0.012)
+    assert summary["by_kind_ms"] == {"optimizer": 5.0, "matmul": 2.0}
+    assert summary["kernels"] == 2 and summary["gpu_busy_ms"] == 7.0
+    assert all("Optimizer.step" not in name for name, _ in summary["top_kernels_ms"])
