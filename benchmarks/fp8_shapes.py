@@ -19,34 +19,25 @@ from pathlib import Path
 
 import torch
 
-QWEN2_05B = [  # one decoder layer's distinct projections: (name, in_features, out_features, bias)
-    ("q_proj", 896, 896, True),
-    ("k_proj/v_proj", 896, 128, True),
-    ("o_proj", 896, 896, False),
-    ("gate_proj/up_proj", 896, 4864, False),
-    ("down_proj", 4864, 896, False),
-]
-LLAMA_1B = [
-    ("q_proj/o_proj", 2048, 2048, False),
-    ("k_proj/v_proj", 2048, 256, False),
-    ("gate_proj/up_proj", 2048, 5632, False),
-    ("down_proj", 5632, 2048, False),
-]
-LLAMA_8B = [
-    ("q_proj/o_proj", 4096, 4096, False),
-    ("k_proj/v_proj", 4096, 1024, False),
-    ("gate_proj/up_proj", 4096, 14336, False),
-    ("down_proj", 14336, 4096, False),
-]
-# (model, tokens per micro-batch, projections), most needed first: the deadline cuts the tail. 32,768 tokens is
-# the text cases' 16 x 2048, 16,384 the 1.1B chat cases' 8 x 2048, 8,192 the 8B's 4 x 2048.
-RUNS = [
-    ("qwen2-0.5b", 32768, QWEN2_05B),
-    ("llama-1.1b", 16384, LLAMA_1B),
-    ("llama-1.1b", 32768, LLAMA_1B),
-    ("llama-8b", 8192, LLAMA_8B),
-    ("qwen2-0.5b", 8192, QWEN2_05B),
-]
+# (shape in benchmarks.assets.SHAPES, tokens per micro-batch), most needed first: the deadline cuts the tail.
+# 32,768 tokens is the text cases' 16 x 2048, 16,384 the 1.1B chat cases' 8 x 2048, 8,192 the 8B's 4 x 2048.
+RUNS = [("qwen2-0.5b", 32768), ("llama-1.1b", 16384), ("llama-1.1b", 32768), ("llama-8b", 8192), ("qwen2-0.5b", 8192)]
+
+
+def projections(shape: str) -> list[tuple[str, int, int, bool]]:
+    """One decoder layer's distinct projections, (names, in_features, out_features, bias), read off the shape's
+    meta-device model: the layers app.model.fp8_linears offers for conversion."""
+    from app.model import fp8_linears, meta_model
+    from benchmarks.assets import SHAPES
+
+    model = meta_model(SHAPES[shape].hf_config())
+    first = {id(m): name.rsplit(".", 1)[-1] for name, m in model.model.layers[0].named_modules()}
+    found: dict[tuple[int, int, bool], list[str]] = {}
+    for layer in fp8_linears(model):
+        if id(layer) in first:
+            key = (layer.in_features, layer.out_features, layer.bias is not None)
+            found.setdefault(key, []).append(first[id(layer)])
+    return [("/".join(names), *key) for key, names in found.items()]
 
 
 def time_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, iters: int) -> float:
@@ -117,9 +108,9 @@ def main() -> None:
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 256  # one graph per measured shape
     started, rows = time.time(), []
-    for model, tokens, projections in RUNS:
+    for model, tokens in RUNS:
         tokens = max(16, int(tokens * args.tokens_scale))
-        for name, fan_in, fan_out, bias in projections:
+        for name, fan_in, fan_out, bias in projections(model):
             if time.time() - started > args.deadline_s:
                 break
             row = {"model": model, "tokens": tokens, "proj": name, "in": fan_in, "out": fan_out, "bias": bias}
