@@ -624,19 +624,34 @@ def suite_fp8rule2() -> list[Case]:
 
 
 def suite_full8b() -> list[Case]:
-    """Full-parameter chat SFT of the 8B shape on one H200 against TRL (pure bf16 at stage 0 against TRL's bf16
-    model: weights, gradients and AdamW moments bf16 on both sides; activation checkpointing on both, as 16 GB of
+    """Full-parameter chat SFT of the 8B shape on one H200 against TRL: pure bf16 at stage 0 against TRL's bf16
+    model (weights, gradients and AdamW moments bf16 on both sides), then the same with `model.fp8` (at 4 x 2048
+    tokens the rule converts the MLP and q/o projections); activation checkpointing on all three, as 16 GB of
     weights, 16 of gradients and 32 of moments leave no room for the activations; no background saves: their 48 GB
-    of pinned host buffers would be reserved during the few timed steps), then the 1.1B FP8 pair."""
+    of pinned host buffers would be reserved during the few timed steps."""
     eight = {"warmup": 2, "steps": 5, "timeout": 300}
     ckpt = {"model.gradient_checkpointing": True}
     app_sets = {**STAGE0, **ckpt, "checkpoint.async_save": False}
-    full = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
+    pure = chat_case("chat-l8b-full-z0-pure", "llama-8b", 4, 0, False, sets=app_sets, estimate=150, **eight)
     return [
-        chat_case("chat-l8b-full-z0-pure", "llama-8b", 4, 0, False, sets=app_sets, estimate=170, **eight),
+        pure,
         chat_case("trl-chat-l8b-full", "llama-8b", 4, 3, False, runner="trl", sets=ckpt, estimate=120, **eight),
+        dataclasses.replace(pure, name="chat-l8b-full-z0-pure-fp8", sets={**pure.sets, **FP8}, estimate=170),
+    ]
+
+
+def suite_full1b() -> list[Case]:
+    """The 1.1B under model.fp8's layer rule: the full-parameter chat pair (stage 0, pure bf16 + FP8 against TRL),
+    then the text ZeRO-3 case in FP8 and bf16 beside Trainer + Liger (peer1's pair)."""
+    full = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
+    text = {c.name: c for c in suite_peer1()}
+    bf16 = text["l1b-z3-mb16-1gpu"]
+    return [
         dataclasses.replace(full, name="chat-l1b-full-z0-pure-fp8", sets={**full.sets, **FP8}, estimate=95),
         chat_case("trl-chat-l1b-full", "llama-1.1b", 8, 3, False, runner="trl", estimate=45, timeout=180),
+        dataclasses.replace(bf16, name="l1b-z3-mb16-1gpu-fp8", sets={**bf16.sets, **FP8}, estimate=90),
+        bf16,
+        text["hf-liger-l1b-z3-mb16-1gpu"],
     ]
 
 
@@ -717,6 +732,7 @@ SUITES = {
     "fp8rule": suite_fp8rule,
     "fp8rule2": suite_fp8rule2,
     "full8b": suite_full8b,
+    "full1b": suite_full1b,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,
