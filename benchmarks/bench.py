@@ -630,7 +630,9 @@ def suite_full8b() -> list[Case]:
     weights, 16 of gradients and 32 of moments leave no room for the activations; no background saves: their 48 GB
     of pinned host buffers would be reserved during the few timed steps."""
     eight = {"warmup": 2, "steps": 5, "timeout": 300}
-    ckpt = {"model.gradient_checkpointing": True}
+    # 2e-5, a full-parameter 8B fine-tune's usual rate: at the chat cases' LoRA rate (2e-4) both app runs' losses
+    # rose from step 7 (12.5 -> 19.1 and 17.9; record 2026-12-02-full8b.jsonl) while TRL's had not by its step 7.
+    ckpt = {"model.gradient_checkpointing": True, "train.learning_rate": 2e-5}
     app_sets = {**STAGE0, **ckpt, "checkpoint.async_save": False}
     pure = chat_case("chat-l8b-full-z0-pure", "llama-8b", 4, 0, False, sets=app_sets, estimate=150, **eight)
     return [
