@@ -657,6 +657,19 @@ def suite_full1b() -> list[Case]:
     ]
 
 
+def suite_solo3() -> list[Case]:
+    """ZeRO-3 on one GPU partitions nothing: the 1.1B text case with every parameter persistent (gathered once,
+    never released: no per-layer fetch copies), one step profiled, beside the default and Trainer + Liger."""
+    text = {c.name: c for c in suite_peer1()}
+    bf16 = text["l1b-z3-mb16-1gpu"]
+    persist = {f"deepspeed.zero_optimization.{k}": 10**12 for k in ("stage3_param_persistence_threshold",)}
+    return [
+        profiled(dataclasses.replace(bf16, name="l1b-z3-mb16-1gpu-persist", sets={**bf16.sets, **persist})),
+        bf16,
+        text["hf-liger-l1b-z3-mb16-1gpu"],
+    ]
+
+
 def suite_chat_diag() -> list[Case]:
     """The chat case's variants that located its non-finite gradients from step 1 (a tokenizer without the
     template's markers, since fixed in assets.model_folder; docs/benchmarks.md, History): without Liger, unpacked
@@ -735,6 +748,7 @@ SUITES = {
     "fp8rule2": suite_fp8rule2,
     "full8b": suite_full8b,
     "full1b": suite_full1b,
+    "solo3": suite_solo3,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,
