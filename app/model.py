@@ -227,10 +227,10 @@ def fp8_linears(model) -> list[torch.nn.Module]:
 
 # FP8 pays for a linear layer when its matmul does enough work per element it casts. With t tokens, a layer of
 # i inputs and o outputs does 6*t*i*o FLOPs forward and backward and casts about 2*(t*i + i*o + t*o) elements, a
-# ratio of 3/(1/t + 1/i + 1/o). benchmarks/fp8_shapes.py on one H200 (docs/benchmarks.md, 2026-12-01): every
-# projection of the Qwen2-0.5B, Llama 1.1B and Llama-3-8B shapes with 1/(1/t + 1/i + 1/o) of 1,376 or more ran
-# 1.10-1.41x faster in FP8, every one of 993 or less 0.20-0.97x (torchao's casts and their host-side dispatch cost
-# about a millisecond a layer whatever its size): the threshold sits between.
+# ratio of 3/(1/t + 1/i + 1/o). benchmarks/fp8_shapes.py on one H200 (docs/benchmarks.md, 2026-12-01 and -02):
+# every projection of the Qwen2-0.5B, Llama 1.1B and Llama-3-8B shapes with 1/(1/t + 1/i + 1/o) of 1,376 or more
+# ran 1.10-1.58x faster in FP8 on the GPU, every one of 993 or less 0.20-1.00x by the wall clock (torchao's casts
+# and their host-side dispatch cost about a millisecond a layer whatever its size): the threshold sits between.
 FP8_MIN_INTENSITY = 1200
 
 
