@@ -86,20 +86,17 @@ def clear_stale_lock(
     said = False
     while True:
         try:
+            judged = lock.stat().st_ino  # the lock file this pass judges; another may take its place meanwhile
             idle = time.time() - _last_activity(folder)
         except FileNotFoundError:
-            return None
-        if not lock.exists():
             return None
         holder = held_open(lock)
         if holder is False or idle >= stale_after_s:
             why = "no process holds it" if holder is False else f"nothing in {folder} changed for {idle / 60:.0f} min"
             aside = lock.with_name(f"lock.stale-{int(time.time())}-{os.getpid()}")
-            try:
-                os.replace(lock, aside)
-            except FileNotFoundError:
-                return None  # another rank moved it, or the build finished
-            return f"moved aside a stale build lock {lock} ({why}: a killed build left it); kept as {aside.name}"
+            if _move_aside(lock, aside, judged):
+                return f"moved aside a stale build lock {lock} ({why}: a killed build left it); kept as {aside.name}"
+            continue  # it went away or changed hands while it was judged: judge what is there now
         if announce and not said:
             said = True
             log.warning(
@@ -107,6 +104,25 @@ def clear_stale_lock(
                 f"{(stale_after_s - idle) / 60:.0f} min more if it stops changing"
             )
         time.sleep(min(poll_s, stale_after_s - idle))
+
+
+def _move_aside(lock: Path, aside: Path, judged: int) -> bool:
+    """Renames `lock` to `aside` if it is still the file (inode `judged`) found stale. Another rank may have moved
+    that one aside first and taken a fresh lock for its own build or load (torch takes the lock even to find an op
+    up to date): moving that live lock would make its holder's release fail (FileNotFoundError, seen in a CI run),
+    so it is put back."""
+    try:
+        os.replace(lock, aside)
+    except FileNotFoundError:
+        return False  # another rank moved it, or the build finished
+    if aside.stat().st_ino == judged:
+        return True
+    try:
+        os.link(aside, lock)  # the live lock back where its holder will remove it
+    except FileExistsError:
+        pass  # a third process took the lock meanwhile: it is free to, as the path was empty
+    aside.unlink(missing_ok=True)
+    return False
 
 
 def use_this_environments_ninja() -> None:

@@ -291,6 +291,30 @@ def test_a_fresh_lock_that_no_process_holds_is_stale_at_once(tmp_path):
     assert moved and "no process holds it" in moved and time.monotonic() - started < 5
 
 
+def test_a_lock_taken_afresh_while_a_stale_one_is_judged_is_left_alone(tmp_path, monkeypatch):
+    """Two ranks find the same stale lock: the first moves it aside and takes a fresh one for its build; the
+    second, which judged the old one, must not move the fresh one (its holder's release would fail)."""
+    folder = _planted(tmp_path, age_s=opbuild.STALE_AFTER_S + 60)
+    lock = folder / "lock"
+    fresh = FileBaton(str(lock))
+    calls = []
+
+    def other_rank_meanwhile(path):
+        calls.append(path)
+        if len(calls) == 1:  # while this rank scans /proc: the other moves the stale lock and takes a new one
+            os.replace(path, folder / "lock.stale-by-the-other-rank")
+            assert fresh.try_acquire()
+            return None  # holders unknown: the judgement falls back to the (old) folder activity
+        if len(calls) == 2:
+            threading.Timer(0.3, fresh.release).start()  # the other rank's build finishes
+        return True
+
+    monkeypatch.setattr(opbuild, "held_open", other_rank_meanwhile)
+    assert opbuild.clear_stale_lock(folder, poll_s=0.1) is None
+    assert len(calls) >= 2 and not lock.exists()  # released by its holder, without an error
+    assert [p.name for p in folder.glob("lock.stale-*")] == ["lock.stale-by-the-other-rank"]
+
+
 def test_builds_use_this_environments_ninja(monkeypatch):
     """Two ninja versions taking turns on one build folder rebuild the op at every start."""
     import shutil
