@@ -659,10 +659,11 @@ def suite_full1b() -> list[Case]:
 
 def suite_solo3() -> list[Case]:
     """ZeRO-3 on one GPU partitions nothing: the 1.1B text case with every parameter persistent (gathered once,
-    never released: no per-layer fetch copies), one step profiled, beside the default and Trainer + Liger."""
+    never released), one step profiled, beside the default and Trainer + Liger. Measured: no gain (the same
+    kernels; docs/benchmarks.md)."""
     text = {c.name: c for c in suite_peer1()}
     bf16 = text["l1b-z3-mb16-1gpu"]
-    persist = {f"deepspeed.zero_optimization.{k}": 10**12 for k in ("stage3_param_persistence_threshold",)}
+    persist = {"deepspeed.zero_optimization.stage3_param_persistence_threshold": 10**12}
     return [
         profiled(dataclasses.replace(bf16, name="l1b-z3-mb16-1gpu-persist", sets={**bf16.sets, **persist})),
         bf16,
