@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import CLI_ENV, REPO, run_cli
 
 from app import ds_config
 from app.cli import main
@@ -146,6 +149,35 @@ def test_console_script_exit_code_and_single_line(storage, tiny_model):
     )
     assert "Traceback" not in result.stderr
     assert snapshot(storage) == [("someone-elses-file", (storage / "someone-elses-file").stat().st_mtime)]
+
+
+def test_the_console_script_runs_the_exit_handlers_and_a_closed_pipe_is_no_traceback(storage, tiny_model, tmp_path):
+    """`finetune` skips the interpreter's teardown (app.cli.run), not the exit handlers: one registered by a
+    library still runs, with the command's exit code. A reader that stops early (`| head`) ends it quietly."""
+    marker = tmp_path / "handler-ran"
+    script = (
+        "import atexit, pathlib, sys\n"
+        f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+        "from app.cli import run\n"
+        "sys.argv = ['finetune', *sys.argv[1:]]\n"
+        "run()\n"
+    )
+    args = ["validate", *base_args(storage, tiny_model)]
+    env = {**os.environ, **CLI_ENV}
+    done = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and marker.read_text() == "yes", done.stderr[-3000:]
+    assert "# deepspeed config" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-c", script, *args, "--set", "train.epochs=0"], cwd=REPO, env=env, capture_output=True
+    )
+    assert bad.returncode == 2 and b"train.epochs" in bad.stderr
+    # The reader is gone before the first line (the command is still importing).
+    with subprocess.Popen(
+        [sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        proc.stdout.close()
+        err = proc.stderr.read()
+    assert proc.returncode in (0, 1) and b"Traceback" not in err and b"Exception ignored" not in err, err[-3000:]
 
 
 def test_several_problems_reported_together(storage, tiny_model, capsys):

@@ -360,7 +360,7 @@ def test_entrypoint_and_cmd_let_docker_run_and_kuberay_choose_the_command():
     assert entry == ["[]"], entry
     assert cmd and cmd[-1].startswith('["finetune"'), cmd
     scripts = tomllib.loads(PYPROJECT.read_text())["project"]["scripts"]
-    assert scripts.get("finetune") == "app.cli:main"
+    assert scripts.get("finetune") == "app.cli:run"
 
 
 def test_labels_carry_version_and_source():
