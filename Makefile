@@ -51,9 +51,10 @@ run-chat: tiny
 	@echo "==> chat SFT with LoRA: local Ray cluster, 2 CPU workers, ZeRO-3, 30 steps, then merge and export (1-2 min)"
 	$(BIN)/finetune train examples/local-cpu-chat.yaml
 
-# --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget.
+# --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget. Two files at a
+# time (-n 2, each file whole on one worker): a CPU training run keeps about half of 2 cores busy (tests/conftest.py).
 test: lint
-	$(BIN)/pytest -q -m "not slow and not e2e" --durations=15 tests
+	$(BIN)/pytest -q -m "not slow and not e2e" -n 2 --dist loadfile --durations=15 tests
 
 # ruff on every file: lint (pycodestyle, pyflakes, import order, line length 120) and `ruff format`'s style.
 # `make format` rewrites the files that the check would refuse.
