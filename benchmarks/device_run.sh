@@ -8,6 +8,9 @@ suite=$1 deadline=$2 only=${3:-}
 G=$PWD/.gpu
 mkdir -p /tmp/site && tar -C /tmp/site -xJf "$G/site-py312.tar.xz" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$G"/whl/*.whl || exit 1
+# Bytecode, as pip writes it at install (the image has it): otherwise the first processes of a call (driver, Ray's
+# prestarted workers, controller, workers, each on its own) compile Ray, DeepSpeed and datasets from source.
+python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1
 cd "$G/tree" || exit 1
 export PYTHONPATH=$PWD:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
