@@ -435,23 +435,37 @@ def run() -> None:
     Python's teardown of the modules a run imports (torch, transformers, Ray, datasets) is seconds of garbage
     collection (2.5 s after a CPU `finetune train`, measured) that nobody waits for on purpose. Everything a run
     writes is on storage by then; the exit handlers (logging's flush, Ray's shutdown of a local cluster, MLflow's)
-    still run, and a thread that is not a daemon keeps the normal exit, which waits for it."""
+    still run; see `_normal_exit_needed` for when the normal exit is kept."""
     import atexit
     import contextlib
-    import threading
 
     try:
         code = main() or 0
     except BrokenPipeError:  # `finetune validate ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 1
-    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+    if _normal_exit_needed():
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a reader that went away (`finetune ... | head`)
             stream.flush()
     os._exit(code)
+
+
+def _normal_exit_needed() -> bool:
+    """A thread that is not a daemon (the normal exit waits for it), or a profiler or tracer (cProfile, coverage),
+    which writes what it gathered when the interpreter exits."""
+    import threading
+
+    monitoring = getattr(sys, "monitoring", None)  # Python 3.12+: cProfile and coverage register as tools there
+    tools = [monitoring.get_tool(i) for i in range(6)] if monitoring else []
+    return (
+        any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+        or sys.getprofile() is not None
+        or sys.gettrace() is not None
+        or any(tools)
+    )
 
 
 if __name__ == "__main__":

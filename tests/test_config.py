@@ -153,7 +153,8 @@ def test_console_script_exit_code_and_single_line(storage, tiny_model):
 
 def test_the_console_script_runs_the_exit_handlers_and_a_closed_pipe_is_no_traceback(storage, tiny_model, tmp_path):
     """`finetune` skips the interpreter's teardown (app.cli.run), not the exit handlers: one registered by a
-    library still runs, with the command's exit code. A reader that stops early (`| head`) ends it quietly."""
+    library still runs, with the command's exit code; a profiler still writes its file. A reader that stops early
+    (`| head`) ends it quietly."""
     marker = tmp_path / "handler-ran"
     script = (
         "import atexit, pathlib, sys\n"
@@ -171,6 +172,12 @@ def test_the_console_script_runs_the_exit_handlers_and_a_closed_pipe_is_no_trace
         [sys.executable, "-c", script, *args, "--set", "train.epochs=0"], cwd=REPO, env=env, capture_output=True
     )
     assert bad.returncode == 2 and b"train.epochs" in bad.stderr
+    # Under a profiler the normal exit stays: cProfile writes its file then.
+    profile = tmp_path / "validate.prof"
+    done = subprocess.run(
+        [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "app.cli", *args], cwd=REPO, env=env
+    )
+    assert done.returncode == 0 and profile.stat().st_size > 0
     # The reader is gone before the first line (the command is still importing).
     with subprocess.Popen(
         [sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
