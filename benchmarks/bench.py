@@ -292,6 +292,14 @@ def suite_peer1() -> list[Case]:
     return cases
 
 
+def suite_start1() -> list[Case]:
+    """Launch to first step on one GPU, each side with the tokenized data in the state it found: the app first
+    (it tokenizes the corpus into the cache the cases share), Trainer + Liger (finds it), the app again (finds it)."""
+    text = {c.name: c for c in suite_peer1()}
+    app = text["l1b-z3-mb16-1gpu"]
+    return [app, text["hf-liger-l1b-z3-mb16-1gpu"], dataclasses.replace(app, name="l1b-z3-mb16-1gpu-again")]
+
+
 def _peer_1b() -> list[Case]:
     return [
         llama("l1b-z3-mb16", "llama-1.1b", 16, 3, True, estimate=75),
@@ -745,6 +753,7 @@ def suite_smoke() -> list[Case]:
 SUITES = {
     "peer": suite_peer,
     "peer1": suite_peer1,
+    "start1": suite_start1,
     "fp8rule": suite_fp8rule,
     "fp8rule2": suite_fp8rule2,
     "full8b": suite_full8b,

@@ -12,7 +12,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # prestarted workers, controller, workers, each on its own) compile Ray, DeepSpeed and datasets from source.
 python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1
 cd "$G/tree" || exit 1
-export PYTHONPATH=$PWD:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
+# benchmarks/image_env first: the host's torchvision and scikit-learn hidden from every process, as the image lacks them.
+export PYTHONPATH=$PWD/benchmarks/image_env:$PWD:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 mkdir -p "$OUT/$suite"
 if [ "$suite" = peer ] || [ "$suite" = peer1 ]; then timeout 60 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
