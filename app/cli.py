@@ -441,8 +441,9 @@ def run() -> None:
 
     try:
         code = main() or 0
-    except BrokenPipeError:  # `finetune validate ... | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe or socket: a real error
         code = 1
     if _normal_exit_needed():
         sys.exit(code)
@@ -451,6 +452,18 @@ def run() -> None:
         with contextlib.suppress(OSError, ValueError):  # a reader that went away (`finetune ... | head`)
             stream.flush()
     os._exit(code)
+
+
+def _stdout_closed() -> bool:
+    """Whether the reader of standard output went away (`finetune validate ... | head`: it has what it wanted)."""
+    import select
+
+    poll = select.poll()
+    poll.register(sys.stdout.fileno(), select.POLLOUT)
+    if not any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0)):
+        return False  # POLLERR: the write end of a pipe whose read end is closed
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that no later flush fails again
+    return True
 
 
 def _normal_exit_needed() -> bool:
