@@ -304,18 +304,14 @@ def suite_start3() -> list[Case]:
     """Launch to first step for each one-GPU case of issue 29's table (1.1B ZeRO-3, 1.1B ZeRO-2, the Qwen2-0.5B
     shape), the app against Trainer + Liger; the first app case of each corpus tokenizes it, the cases after it find
     the cache (as suite start1)."""
-    one = {"scaling.num_workers": 1}
-    z3 = suite_start1()
-    z2 = [
-        llama(f"{name}l1b-z2-mb16-1gpu", "llama-1.1b", 16, 2, True, runner=runner, sets=one, estimate=est)
-        for name, runner, est in (("", "app", 80), ("hf-liger-", "hf", 45))
-    ]
+    z2 = {c.name: c for c in suite_fp8rule2()}["l1b-z2-mb16-1gpu"]
     qwen = qwen_text("q05-z3-mb16-1gpu")
     return [
-        *z3,
-        *z2,
+        *suite_start1(),
+        z2,
+        dataclasses.replace(z2, name="hf-liger-l1b-z2-mb16-1gpu", runner="hf", estimate=45),
         qwen,
-        qwen_text("hf-liger-q05-z3-mb16-1gpu", runner="hf", estimate=45),
+        dataclasses.replace(qwen, name="hf-liger-q05-z3-mb16-1gpu", runner="hf", estimate=45),
         dataclasses.replace(qwen, name="q05-z3-mb16-1gpu-again"),
     ]
 

@@ -13,9 +13,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1
 # The same for the host's own packages: its torch ships no bytecode at all and its environment sets
 # PYTHONDONTWRITEBYTECODE=1, so every process compiled torch from source (import torch 2.6 s there). The image has it.
-t0=$(date +%s.%N)
+started=$SECONDS
 python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1
-echo "host bytecode: $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
+echo "host bytecode: $((SECONDS - started)) s"
 cd "$G/tree" || exit 1
 # benchmarks/image_env first: the host's torchvision and scikit-learn hidden from every process, as the image lacks them.
 export PYTHONPATH=$PWD/benchmarks/image_env:$PWD:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
