@@ -350,8 +350,9 @@ def _create_autoscaling_coordinator() -> None:
 
 def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
+    from app.ray_backend import ProcessGroupConfig
     from app.train_loop import train_loop
 
     env = worker_env(cfg)
@@ -378,7 +379,8 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
             "startup": marks,
             "lease_token": lease_token,
         },
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        # Ray's TorchConfig, less its import of torch in Ray Train's controller process (app/ray_backend.py).
+        torch_config=ProcessGroupConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=s.num_workers,
             use_gpu=s.use_gpu,

@@ -214,3 +214,19 @@ def test_a_random_init_model_is_built_on_the_workers_gpu_unless_zero3_partitions
     assert isinstance(random_init_device(zero3=True), contextlib.nullcontext)  # zero.Init places it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert isinstance(random_init_device(zero3=False), contextlib.nullcontext)
+
+
+def test_ray_trains_controller_gets_a_backend_config_without_torch():
+    """Ray Train's controller unpickles the backend config in a process of its own: the app's config and
+    backend import no torch there (Ray's TorchConfig did, 2-3 s before the first worker could start); the
+    process group itself is set up by the training runs above, on two workers."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import pickle, sys; from app.ray_backend import ProcessGroupConfig; "
+        "c = pickle.loads(pickle.dumps(ProcessGroupConfig(backend='gloo'))); c.backend_cls; c.train_func_context; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
