@@ -258,20 +258,10 @@ def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Proble
     return problems + [p for p in preflight.problems(cfg, offline) if p.field not in named]
 
 
-# Pinned host memory (the background saves' buffers, app/checkpoint/background.py) by malloc, pages touched by 8
-# threads, then cudaHostRegister, instead of cudaHostAlloc: reserving a 1.1B model's 6.6 GB of optimizer state
-# after the first step stalled the training thread for about 4 s that way, and for 0.1 s this way (1 x H200,
-# docs/benchmarks.md). The user's own PYTORCH_CUDA_ALLOC_CONF is kept, and its pinned_* settings win.
-PINNED_BY_REGISTER = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
-
-
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSTHROUGH_PREFIXES) and not SECRET_NAME.search(k)}
     if not cfg.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-    elif "pinned_use_cuda_host_register" not in env.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        own = env.get("PYTORCH_CUDA_ALLOC_CONF")
-        env["PYTORCH_CUDA_ALLOC_CONF"] = f"{own},{PINNED_BY_REGISTER}" if own else PINNED_BY_REGISTER
     return env
 
 

@@ -286,6 +286,58 @@ def test_one_background_save_in_flight_and_same_bytes_as_a_synchronous_one(tmp_p
         assert (bg / name).read_bytes() == (fg / name).read_bytes(), name
 
 
+def test_copies_in_pinned_chunks_give_the_same_files(tmp_path, monkeypatch):
+    """A storage larger than a pinned chunk is copied chunk by chunk (each GPU copy lands in one registration):
+    the files are still byte for byte a synchronous save's."""
+    from app import checkpoint
+    from app.checkpoint import background
+
+    monkeypatch.setattr(background, "PIN_CHUNK", 100)  # the 256-float weight spans 11 chunks
+    engine = _Engine()
+    engine.weight.copy_(torch.arange(256.0))
+    saver = _saver(engine)
+    saver.prepare()
+    saver.save(checkpoint.checkpoint_dir(tmp_path / "bg", 2), _state(2), {}, wait=True)
+    [_] = _saver(engine, background=False).save(checkpoint.checkpoint_dir(tmp_path / "fg", 2), _state(2), {})
+    bg, fg = (checkpoint.checkpoint_dir(tmp_path / d, 2) / "ds" for d in ("bg", "fg"))
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        assert (bg / name).read_bytes() == (fg / name).read_bytes(), name
+
+
+def test_host_buffers_for_gpu_copies_are_pinned_chunk_by_chunk(monkeypatch):
+    """Buffers for GPU storages are registered with CUDA one page-aligned chunk at a time (no page in two
+    registrations, every byte in one), and unregistered when the buffer goes. CUDA's runtime is recorded here:
+    there is no GPU on this machine; the GPU figures are benchmarks/pin_stall.py's."""
+    import gc
+    import mmap
+
+    from app.checkpoint import background
+
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(background, "PIN_CHUNK", 4 * mmap.PAGESIZE)
+    buf = background.host_buffer(10 * mmap.PAGESIZE + 5, pinned=True)
+    assert buf.numel() == 10 * mmap.PAGESIZE + 5 and not buf.any()  # touched before registering
+    regs = [c for c in calls if c[0] == "register"]
+    assert [size for _, _, size in regs] == [4 * mmap.PAGESIZE, 4 * mmap.PAGESIZE, 2 * mmap.PAGESIZE + 5]
+    assert [ptr - buf.data_ptr() for _, ptr, _ in regs] == [0, 4 * mmap.PAGESIZE, 8 * mmap.PAGESIZE]
+    assert buf.data_ptr() % mmap.PAGESIZE == 0
+    del buf
+    gc.collect()
+    assert sorted(c[1] for c in calls if c[0] == "unregister") == sorted(ptr for _, ptr, _ in regs)
+    assert background.host_buffer(3, pinned=False).numel() == 3 and len(calls) == 6  # CPU storages: not pinned
+
+
 def test_a_failed_background_write_stops_the_run_with_the_storage_message(tmp_path):
     import errno
 

@@ -635,20 +635,16 @@ def test_secrets_stay_out_of_rays_runtime_environment(monkeypatch):
     assert all("value-of-HF_TOKEN" != v for v in env.values())
 
 
-def test_gpu_workers_pin_host_memory_by_registering_it(monkeypatch):
-    """GPU workers get torch's register-based pinned allocator, added to the user's PYTORCH_CUDA_ALLOC_CONF;
-    a user's own pinned_* choice is left as it is, and CPU workers get nothing."""
+def test_the_users_cuda_allocator_settings_reach_the_workers_unchanged(monkeypatch):
+    """PYTORCH_CUDA_ALLOC_CONF is the user's to set: passed through as it is, nothing added on GPU workers."""
     from app.config import parse
-    from app.driver import PINNED_BY_REGISTER, worker_env
+    from app.driver import worker_env
 
     gpu, cpu = parse({"scaling": {"use_gpu": True}}), parse({"scaling": {"use_gpu": False}})
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    assert worker_env(gpu)["PYTORCH_CUDA_ALLOC_CONF"] == PINNED_BY_REGISTER
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(cpu)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(gpu) and "PYTORCH_CUDA_ALLOC_CONF" not in worker_env(cpu)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert worker_env(gpu)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True," + PINNED_BY_REGISTER
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:False")
-    assert worker_env(gpu)["PYTORCH_CUDA_ALLOC_CONF"] == "pinned_use_cuda_host_register:False"
+    assert worker_env(gpu)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 # --- node disk: /tmp/ray bounded, ephemeral storage requested ------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -59,7 +60,7 @@ class HostCopy:
         started, total = time.perf_counter(), 0
         for t in self.storages(obj).values():
             size = (t.untyped_storage().nbytes(), t.is_cuda)
-            buf = torch.empty(size[0], dtype=torch.uint8, pin_memory=size[1])
+            buf = host_buffer(*size)
             total += size[0]
             with self.lock:
                 self.free.setdefault(size, []).append(buf)
@@ -98,13 +99,60 @@ class HostCopy:
             spare = self.free.get(size)
             buf = spare.pop() if spare else None
         if buf is None:
-            buf = torch.empty(size[0], dtype=torch.uint8, pin_memory=size[1])
+            buf = host_buffer(*size)
             self.allocated += size[0]
         with self.lock:
             self.used.append((size, buf))
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        buf.copy_(src, non_blocking=t.is_cuda)  # from GPU into pinned memory: asynchronous
+        for start in range(0, max(size[0], 1), PIN_CHUNK):  # each copy lands in one pinned chunk: asynchronous
+            buf[start : start + PIN_CHUNK].copy_(src[start : start + PIN_CHUNK], non_blocking=t.is_cuda)
         return buf
+
+
+# Host memory for GPU copies is pinned in chunks of this size, by cudaHostRegister on pages already touched. One
+# cudaHostAlloc (or one registration) of a whole multi-GB optimizer state kept the driver busy for seconds, and the
+# training thread's launches and copies waited behind it: the steps after the first ran up to 1.7x slower while a
+# 1.1B model's 13 GB of buffers were pinned (docs/benchmarks.md). A chunk holds the driver for milliseconds.
+PIN_CHUNK = 256 * 2**20
+
+
+class _Pinned:
+    """Anonymous memory (page-aligned, so no page is in two chunks) registered with CUDA chunk by chunk; the
+    registrations end with this object, which the buffer tensor keeps alive."""
+
+    def __init__(self, nbytes: int):
+        self.memory = mmap.mmap(-1, max(nbytes, 1))
+        self.tensor = torch.frombuffer(self.memory, dtype=torch.uint8)[:nbytes]
+        self.registered: list[int] = []
+        cudart = torch.cuda.cudart()
+        for start in range(0, nbytes, PIN_CHUNK):
+            piece = self.tensor[start : start + PIN_CHUNK]
+            piece.fill_(0)  # the kernel maps the pages here, not under the driver's registration
+            if int(cudart.cudaHostRegister(piece.data_ptr(), piece.numel(), 0)) != 0:
+                self.close()
+                raise RuntimeError("cudaHostRegister failed")
+            self.registered.append(piece.data_ptr())
+
+    def close(self) -> None:
+        cudart = torch.cuda.cudart()
+        while self.registered:
+            cudart.cudaHostUnregister(self.registered.pop())
+
+    def __del__(self):
+        self.close()
+
+
+def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """`nbytes` of host memory; pinned (for copies from a GPU) in `PIN_CHUNK` pieces, or by torch's own
+    allocator where registering fails."""
+    if not pinned:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        block = _Pinned(nbytes)
+    except (RuntimeError, OSError):  # no CUDA runtime to register with, or no memory to map
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    block.tensor._pinned_block = block  # the registrations last as long as the buffer
+    return block.tensor
 
 
 def _key(t: torch.Tensor) -> tuple:
