@@ -681,6 +681,31 @@ def suite_full1b() -> list[Case]:
     ]
 
 
+def suite_pin1() -> list[Case]:
+    """After the background saves' buffers were pinned chunk by chunk and Ray Train's controller stopped importing
+    torch: the full-parameter chat pair of full1b (its early steps were the ones the pinning slowed), then start1
+    (the text case tokenizing, Trainer + Liger, the text case again). device_run.sh runs pin_stall.py first."""
+    return [*suite_full1b()[:2], *suite_start1()]
+
+
+def suite_step4() -> list[Case]:
+    """The full-parameter chat cases' slow fourth step (0.46-0.66 s against 0.20-0.24 s in pin1's two calls): the
+    FP8 case with step 4 profiled (the GPU idle 526 of 707 ms, the host waiting on nothing), the same case, the
+    pure-bf16 case without FP8 (no slow step)."""
+    fp8, _ = suite_full1b()[:2]
+    bf16 = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
+    step4 = dataclasses.replace(fp8, name=fp8.name + "-prof4", env={**fp8.env, profiling.STEP_ENV: "4"})
+    return [step4, fp8, bf16]
+
+
+def suite_step4b() -> list[Case]:
+    """The FP8 cases of full1b (the chat pair, the text case) and Trainer + Liger beside the text case. Measured
+    with the loop collecting Python's garbage once after its first step (not kept: the chat case's step 4 was as
+    slow, and with TORCH_LOGS=recompiles no recompilation came after step 1)."""
+    full1b = suite_full1b()
+    return [*full1b[:3], full1b[4]]
+
+
 def suite_solo3() -> list[Case]:
     """ZeRO-3 on one GPU partitions nothing: the 1.1B text case with every parameter persistent (gathered once,
     never released), one step profiled, beside the default and Trainer + Liger. Measured: no gain (the same
@@ -776,6 +801,9 @@ SUITES = {
     "full8b": suite_full8b,
     "full1b": suite_full1b,
     "solo3": suite_solo3,
+    "pin1": suite_pin1,
+    "step4": suite_step4,
+    "step4b": suite_step4b,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,
