@@ -139,7 +139,10 @@ class _Pinned:
             cudart.cudaHostUnregister(self.registered.pop())
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone: the process frees the memory
+            pass
 
 
 def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
