@@ -121,17 +121,26 @@ def shim_pids(socket: Path) -> list[int]:
     return pids
 
 
+# The cgroup trees are walked with os.walk, which skips a folder that vanishes while it is walked: the kubelet
+# removes a deleted pod's cgroups while tests look for its processes, and pathlib's rglob raised FileNotFoundError.
 def pod_cgroups(uid: str) -> list[Path]:
     """The cgroup folders of the pod with this uid, one per hierarchy (cgroupfs driver: .../kubepods/[QOS/]podUID)."""
-    return [pod for m in cgroup_mounts() if (m / "kubepods").is_dir() for pod in (m / "kubepods").rglob(f"pod{uid}")]
+    name = f"pod{uid}"
+    return [Path(d) / name for m in cgroup_mounts() for d, subs, _ in os.walk(m / "kubepods") if name in subs]
+
+
+def cgroup_pids(root: Path) -> set[int]:
+    """The processes in the cgroups under `root` (a cgroup that goes meanwhile counts as empty)."""
+    pids = set()
+    for folder, _, files in os.walk(root):
+        if "cgroup.procs" in files:
+            with contextlib.suppress(OSError):
+                pids.update(int(p) for p in (Path(folder) / "cgroup.procs").read_text().split())
+    return pids
 
 
 def kubepods_pids() -> list[int]:
-    pids = set()
-    for mount in cgroup_mounts():
-        for procs in (mount / "kubepods").rglob("cgroup.procs") if (mount / "kubepods").is_dir() else ():
-            pids.update(int(p) for p in procs.read_text().split())
-    return sorted(pids)
+    return sorted(pid for mount in cgroup_mounts() for pid in cgroup_pids(mount / "kubepods"))
 
 
 @dataclass
@@ -427,12 +436,7 @@ class Node:
     @staticmethod
     def pod_pids(uid: str) -> list[int]:
         """The processes in the cgroups of the pod with this uid (empty once they are all gone)."""
-        pids = set()
-        for pod in pod_cgroups(uid):
-            for procs in pod.rglob("cgroup.procs"):
-                with contextlib.suppress(OSError):
-                    pids.update(int(p) for p in procs.read_text().split())
-        return sorted(pids)
+        return sorted(pid for pod in pod_cgroups(uid) for pid in cgroup_pids(pod))
 
     @staticmethod
     def memory_peak(uid: str) -> int:
