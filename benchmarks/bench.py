@@ -706,6 +706,16 @@ def suite_step4b() -> list[Case]:
     return [*full1b[:3], full1b[4]]
 
 
+def suite_step4c() -> list[Case]:
+    """The full-parameter chat FP8 case's slow fourth step, located: step 4 profiled with the host's side too (ops by
+    their own time, the loop's Python stack sampled), the case without background saves (their host buffers are
+    pinned while steps 2-4 run), the case itself (each step's time and data wait in the record), and TRL."""
+    fp8, trl = suite_full1b()[:2]
+    prof = dataclasses.replace(fp8, name=fp8.name + "-prof4", env={**fp8.env, profiling.STEP_ENV: "4"})
+    quiet = dataclasses.replace(fp8, name=fp8.name + "-nobg", sets={**fp8.sets, "checkpoint.async_save": False})
+    return [prof, quiet, fp8, trl]
+
+
 def suite_solo3() -> list[Case]:
     """ZeRO-3 on one GPU partitions nothing: the 1.1B text case with every parameter persistent (gathered once,
     never released), one step profiled, beside the default and Trainer + Liger. Measured: no gain (the same
@@ -804,6 +814,7 @@ SUITES = {
     "pin1": suite_pin1,
     "step4": suite_step4,
     "step4b": suite_step4b,
+    "step4c": suite_step4c,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,

@@ -172,12 +172,15 @@ def startup_phases(metrics: Path, records: list[dict[str, Any]], launch: float) 
 
 
 def summarise(records: list[dict[str, Any]], warmup: int, launch: float, profiled: int | None = None) -> dict[str, Any]:
-    """Figures over the timed steps: those after `warmup`, but not the `profiled` one (the profiler slows it)."""
+    """Figures over the timed steps: those after `warmup`, but not the `profiled` one (the profiler slows it); and
+    each logged step's time and wait for data, as the run's own storage does not outlive the case."""
     timed = [r for r in records[warmup:] if r.get("step") != profiled]
     out: dict[str, Any] = {
         "steps_logged": len(records),
         "steps_timed": len(timed),
         "losses": [round(r["loss"], 4) for r in records],
+        "step_times_s": [round(r["step_time_s"], 4) for r in records],
+        "data_waits_s": [round(r.get("data_wait_s", 0.0), 4) for r in records],
     }
     if records:
         out["time_to_first_step_s"] = round(records[0]["time"] - launch, 2)

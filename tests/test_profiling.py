@@ -3,6 +3,8 @@ profiler handing one step's summary to the metrics logger."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from app import profiling
@@ -71,3 +73,27 @@ def test_gpu_side_annotations_are_not_kernels():
     assert summary["by_kind_ms"] == {"optimizer": 5.0, "matmul": 2.0}
     assert summary["kernels"] == 2 and summary["gpu_busy_ms"] == 7.0
     assert all("Optimizer.step" not in name for name, _ in summary["top_kernels_ms"])
+
+
+def test_the_sampler_finds_where_the_thread_spends_its_time():
+    """Host time outside any op (here a sleep standing for a lock or a slow Python call) shows in the stacks."""
+    import threading
+
+    def waits_on_something():
+        time.sleep(0.2)
+
+    with profiling.StackSampler(threading.get_ident(), interval_s=0.005) as sampler:
+        waits_on_something()
+        sum(range(10))
+    (stack, ms), *_ = sampler.top()
+    assert stack.startswith("test_profiling.py:waits_on_something:") and "test_the_sampler_finds" in stack
+    assert 120 < ms < 320
+
+
+def test_host_ops_are_summarised_by_their_own_time():
+    with profiling.profile(True) as summary:
+        for _ in range(300):
+            torch.randn(256, 256) @ torch.randn(256, 256)
+    names = [name for name, _ in summary["host_ops_ms"]]
+    assert "aten::mm" in names and all(ms >= 0 for _, ms in summary["host_ops_ms"])
+    assert summary["host_stacks_ms"] and "test_host_ops_are_summarised" in summary["host_stacks_ms"][0][0]
