@@ -111,8 +111,9 @@ class HostCopy:
 
 # Host memory for GPU copies is pinned in chunks of this size, by cudaHostRegister on pages already touched. One
 # cudaHostAlloc (or one registration) of a whole multi-GB optimizer state kept the driver busy for seconds, and the
-# training thread's launches and copies waited behind it: the steps after the first ran up to 1.7x slower while a
-# 1.1B model's 13 GB of buffers were pinned (docs/benchmarks.md). A chunk holds the driver for milliseconds.
+# training thread's launches and copies waited behind it: pinning a 1.1B model's 13 GB beside a loop of GPU steps
+# added 15.2 s to them by cudaHostAlloc, 0.38 s by torch's register-based allocator and 0.08 s in chunks of this
+# size (benchmarks/pin_stall.py; docs/benchmarks.md). A chunk holds the driver for milliseconds.
 PIN_CHUNK = 256 * 2**20
 
 
