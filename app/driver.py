@@ -26,6 +26,7 @@ from app.model import check_seq_length, load_model_config, lora_problems, model_
 
 log = logging.getLogger("finetune")
 DS_CONFIG_RECORD = "ds_config.json"
+COMPILE_CACHE = ".compile-cache"  # under experiment.storage_path, beside the experiments' folders
 
 # Environment the workers need to see, whether Ray started here or runs on a cluster.
 PASSTHROUGH_PREFIXES = (
@@ -39,6 +40,8 @@ PASSTHROUGH_PREFIXES = (
     "OMP_",
     "FINETUNE_",
     "PYTORCH_",
+    "TRITON_",
+    "TORCHINDUCTOR_",
 )  # progress reporting (FINETUNE_RAYJOB_*) and test-only hooks
 # Never passed on: Ray's runtime environment is readable by anyone who reaches the dashboard (`ray list
 # runtime-envs`). Workers get such variables from their own environment (on KubeRay: the Secret, via the chart).
@@ -262,7 +265,21 @@ def worker_env(cfg: TrainingConfig) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith(PASSTHROUGH_PREFIXES) and not SECRET_NAME.search(k)}
     if not cfg.scaling.use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
+    else:
+        for name, folder in compile_cache_env(cfg.experiment.storage_path).items():
+            env.setdefault(name, folder)  # the user's own cache folders win
     return env
+
+
+def compile_cache_env(storage_path: str) -> dict[str, str]:
+    """Where GPU workers keep the kernels they compile: Triton's (Liger's kernels, one more for each new integer
+    specialization, such as a step whose target-token count is a multiple of 16) and torch.compile's (the FP8
+    casts, `model.compile`). A pod's own disk starts empty at every deployment, so each one compiled them all
+    again (about 10 s of the first step, more with FP8); under the storage root a redeployed or resumed run, and
+    the next experiment on the same model, finds them. Both caches key entries by source, GPU and versions, and
+    write each file to a temporary name first, so one folder serves every experiment and worker at once."""
+    root = Path(storage_path).expanduser().resolve() / COMPILE_CACHE
+    return {"TRITON_CACHE_DIR": str(root / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
 
 
 def run(cfg: TrainingConfig, ds: dict[str, Any]):

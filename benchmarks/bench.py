@@ -716,6 +716,19 @@ def suite_step4c() -> list[Case]:
     return [prof, quiet, fp8, trl]
 
 
+def suite_warm() -> list[Case]:
+    """Start-up with the compile caches cold and warm: the 1.1B text ZeRO-3 case and Trainer + Liger, each first on
+    a fresh machine, then each again (the app's kernels kept under its storage root, Trainer's in ~/.triton); then
+    the full-parameter chat FP8 case twice, the second time with every kernel it compiles already cached (the
+    slow fourth step was Triton compiling Liger's cross-entropy kernel for a new integer specialization), 20 timed
+    steps, and TRL with as many."""
+    text = {c.name: c for c in suite_peer1()}
+    app, hf = text["l1b-z3-mb16-1gpu"], text["hf-liger-l1b-z3-mb16-1gpu"]
+    fp8, trl = (dataclasses.replace(c, steps=20) for c in suite_full1b()[:2])
+    again = [dataclasses.replace(c, name=c.name + "-again") for c in (app, hf, fp8)]
+    return [app, hf, again[0], again[1], fp8, again[2], trl]
+
+
 def suite_solo3() -> list[Case]:
     """ZeRO-3 on one GPU partitions nothing: the 1.1B text case with every parameter persistent (gathered once,
     never released), one step profiled, beside the default and Trainer + Liger. Measured: no gain (the same
@@ -815,6 +828,7 @@ SUITES = {
     "step4": suite_step4,
     "step4b": suite_step4b,
     "step4c": suite_step4c,
+    "warm": suite_warm,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,

@@ -701,3 +701,23 @@ def test_docs_have_a_security_section_for_the_cluster_admin():
         "checkov-accepted.yaml",
     ):
         assert needle in section, needle
+
+
+def test_gpu_workers_keep_compiled_kernels_under_the_storage_root(monkeypatch, tmp_path):
+    """Triton's and torch.compile's caches live on the shared storage (a pod's disk starts empty at every
+    deployment): GPU workers get both folders under the storage root, shared by its experiments; a user's own
+    cache folders win; CPU workers compile no Triton kernels and get neither."""
+    from app.config import parse
+    from app.driver import COMPILE_CACHE, worker_env
+
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    storage = {"experiment": {"storage_path": str(tmp_path)}}
+    gpu, cpu = parse({**storage, "scaling": {"use_gpu": True}}), parse({**storage, "scaling": {"use_gpu": False}})
+    env = worker_env(gpu)
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path.resolve() / COMPILE_CACHE / "triton")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path.resolve() / COMPILE_CACHE / "inductor")
+    assert not {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} & set(worker_env(cpu))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/cache/triton")
+    assert worker_env(gpu)["TRITON_CACHE_DIR"] == "/cache/triton"
+    assert not any(tmp_path.iterdir())  # nothing written to storage before a run starts
