@@ -272,12 +272,13 @@ def worker_env(cfg: TrainingConfig) -> dict[str, str]:
 
 
 def compile_cache_env(storage_path: str) -> dict[str, str]:
-    """Where GPU workers keep the kernels they compile: Triton's (Liger's kernels, one more for each new integer
-    specialization, such as a step whose target-token count is a multiple of 16) and torch.compile's (the FP8
-    casts, `model.compile`). A pod's own disk starts empty at every deployment, so each one compiled them all
-    again (about 10 s of the first step, more with FP8); under the storage root a redeployed or resumed run, and
-    the next experiment on the same model, finds them. Both caches key entries by source, GPU and versions, and
-    write each file to a temporary name first, so one folder serves every experiment and worker at once."""
+    """Where GPU workers keep the kernels they compile: Triton's (Liger's kernels, and another variant whenever an
+    integer argument such as the step's target-token count meets a new specialization) and torch.compile's. A
+    pod's own disk starts empty at every deployment, so each one compiled them all again (measured on one H200:
+    the 1.1B's first step 4.1 s cold against 1.5 s cached, 9.2 s against 2.4 s with FP8); under the storage root a
+    redeployed or resumed run, and the next experiment on the same model, finds them. Both caches key entries by
+    source, GPU and versions, and write each file to a temporary name first, so one folder serves every
+    experiment and worker at once."""
     root = Path(storage_path).expanduser().resolve() / COMPILE_CACHE
     return {"TRITON_CACHE_DIR": str(root / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
 
