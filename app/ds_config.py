@@ -167,6 +167,10 @@ def build(
         ds["gradient_clipping"] = ds["gradient_clipping"] if "optimizer" in ds else 0.0
     elif t.pure_bf16:  # the user's block may already name them; true here either way (_check_pure_bf16)
         ds.setdefault("bf16", {}).update(enabled=True, bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    # DeepSpeed's throughput timer synchronises the GPU at every forward pass and optimizer step (its `synchronized`
+    # default) for a figure nothing reads (the loop times its own steps): a host sync that drains the GPU's queue
+    # every step. Off unless the block configures it.
+    ds.setdefault("timers", {"throughput": {"enabled": False}})
     if ds.get("grad_accum_dtype") == AUTO:
         ds["grad_accum_dtype"] = {"bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")
     if t.precision != "bf16" and ds.get("grad_accum_dtype") == "bf16":

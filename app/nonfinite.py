@@ -4,6 +4,10 @@ bf16 and fp32 have no loss scaler: a NaN or inf gradient is applied as is and ev
 the run would go on and report success. Every rank computes the same verdict (one all-reduce of two flags per
 optimizer step), so all stop together; no checkpoint is written while the streak lasts, so the last one on
 storage is the last good one.
+
+A step's flags are read one step late, once the next step's work is queued, so that the check never leaves the
+GPU idle waiting for the host (a read right after the step would drain the queue every step); before a save,
+and at the run's end, they are read at once (`healthy`).
 """
 
 from __future__ import annotations
@@ -22,27 +26,42 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    def __init__(self, limit: int, precision: str, learning_rate: float):
+    def __init__(self, limit: int, precision: str, learning_rate: float, before_raise=lambda: None):
         self.limit, self.precision, self.learning_rate = limit, precision, learning_rate
+        self.before_raise = before_raise  # e.g. let a save of the last healthy step being written complete
         self.streak = 0
         self.first_bad: int | None = None
+        self.pending: tuple[int, torch.Tensor] | None = None  # (step, its flags), not yet read on the host
 
     @property
     def healthy(self) -> bool:
-        """False while non-finite steps go on: the weights may already be poisoned, so nothing is saved."""
+        """False while non-finite steps go on: the weights may already be poisoned, so nothing is saved. Reads the
+        last step's flags (a host sync), and raises as `check` does."""
+        self._judge()
         return self.streak == 0
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: float | torch.Tensor | None) -> None:
-        """After optimizer step `step`, with that step's loss (summed over its micro-batches) on this rank."""
-        grad_bad = grad_norm is not None and not math.isfinite(float(grad_norm))
+        """After optimizer step `step`, with that step's loss (summed over its micro-batches) on this rank: queues
+        its flags without waiting for them, and judges the step before it."""
+        self._judge()
+        loss_bad = (~torch.isfinite(loss).all()).float()
         # fp16's loss scaler skips a step whose gradients overflowed, and lowers the scale: that is its job.
-        flags = torch.tensor(
-            [0.0 if torch.isfinite(loss).all() else 1.0, 1.0 if grad_bad and self.precision != "fp16" else 0.0],
-            device=loss.device,
-        )
+        if grad_norm is None or self.precision == "fp16":
+            grad_bad = torch.zeros_like(loss_bad)
+        elif torch.is_tensor(grad_norm):
+            grad_bad = (~torch.isfinite(grad_norm)).float().reshape(()).to(loss_bad.device)
+        else:  # a number DeepSpeed already read on the host; a fill, not a host-to-device copy
+            grad_bad = torch.full_like(loss_bad, 0.0 if math.isfinite(grad_norm) else 1.0)
+        flags = torch.stack([loss_bad, grad_bad])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        loss_bad, grad_bad = bool(flags[0].item()), bool(flags[1].item())
+        self.pending = (step, flags)
+
+    def _judge(self) -> None:
+        if self.pending is None:
+            return
+        (step, flags), self.pending = self.pending, None
+        loss_bad, grad_bad = (bool(v) for v in flags.tolist())
         if not (loss_bad or grad_bad):
             self.streak, self.first_bad = 0, None
             return
@@ -55,6 +74,7 @@ class NonFiniteGuard:
                 "no checkpoint is saved until a step is finite again"
             )
             return
+        self.before_raise()
         raise NonFiniteError(
             f"step {step}: non-finite {what} for {self.streak} consecutive steps (since step {self.first_bad}); "
             f"likely cause: {self._cause(loss_bad, grad_bad)}. The last checkpoint saved before step "

@@ -26,7 +26,7 @@ from app.config import TrainConfig, TrainingConfig
 from app.ds_config import plain_bf16
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
-from app.nonfinite import NonFiniteError, NonFiniteGuard
+from app.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("finetune")
 
@@ -61,7 +61,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     metrics = start_metrics(model, cfg, policy.total_steps, position, world, marks) if rank == 0 else None
     window = Window(engine.device)
     evaluator = Evaluator(engine, batches, cfg, world, rank, metrics)
-    guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate)
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
     preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
     hf_files = functools.partial(lora.save_files, model, tokenizer)
@@ -69,6 +68,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         engine, rank, world, dist.barrier, hf_files, lease_token, cfg.checkpoint.async_save, preempt.group
     )
     checkpoints = CheckpointManager(saver, policy, cfg, rank, world, metrics)
+    # All ranks raise together; a save of the last healthy step being written completes first.
+    guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate, before_raise=checkpoints.drain)
 
     engine.train()
     profiler = profiling.StepProfiler.of(rank, metrics)  # a diagnostic, off unless asked for
@@ -83,11 +84,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             step += 1
             checkpoints.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
-            try:
-                guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
-            except NonFiniteError:
-                checkpoints.drain()  # all ranks raised: a save of the last healthy step being written completes
-                raise
+            guard.check(step, loss, engine.get_global_grad_norm())  # raises after too many non-finite steps
             window.add(loss, tokens)
             if step % t.log_every_steps == 0 or step == policy.total_steps:
                 last = {"loss": window.report(engine, step, epoch, t, world, metrics)}
@@ -95,14 +92,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
                 last["eval_loss"] = evaluator.run(step)
             # Asked to stop (a SIGTERM, the notice file) on any rank? Then every rank saves this step and stops.
             preempted = checkpoints.exchange(preempt) and step < policy.total_steps
-            if guard.healthy:  # never save weights a NaN step touched
-                checkpoints.maybe_save(step, epoch, step_in_epoch, last, preempted)
+            if checkpoints.due(step, step_in_epoch, preempted) and guard.healthy:  # never save weights NaN touched
+                checkpoints.save(step, epoch, step_in_epoch, last, preempted)
             step_ended(step)
             if preempted or policy.stop(step):
                 break
         if preempted or policy.stop(step):
             break  # the last step, train.stop_after_steps (a drill's preemption) or a preemption: no further epoch
 
+    healthy = guard.healthy  # every rank reads the last step's flags (it may raise, on all ranks alike)
     checkpoints.drain()  # a save still in flight (its step's successors were not healthy) completes
     finished = step >= policy.total_steps
     if finished and batches.eval_set is not None and not evaluator.due(step):
@@ -110,7 +108,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     if metrics:
         metrics.close()
     if rank == 0:
-        conclude(cfg, step, policy.total_steps, preempted, guard.healthy, checkpoints.saves)
+        conclude(cfg, step, policy.total_steps, preempted, healthy, checkpoints.saves)
 
 
 def start_worker(cfg: TrainingConfig, rank: int) -> None:
@@ -320,11 +318,13 @@ class CheckpointManager:
         self._report(self.saver.settle(writes))
         return asked
 
-    def maybe_save(self, step: int, epoch: int, step_in_epoch: int, last: dict[str, Any], preempted: bool) -> None:
-        """Saves this step when the policy says so or the run is preempted. The last save and a preemption's wait
-        until the checkpoint is complete; the others go on in the background."""
-        if not (self.policy.due(step, step_in_epoch) or preempted):
-            return
+    def due(self, step: int, step_in_epoch: int, preempted: bool) -> bool:
+        """Whether this step is saved: the policy says so, or the run is preempted."""
+        return self.policy.due(step, step_in_epoch) or preempted
+
+    def save(self, step: int, epoch: int, step_in_epoch: int, last: dict[str, Any], preempted: bool) -> None:
+        """The last save and a preemption's wait until the checkpoint is complete; the others go on in the
+        background."""
         wait = preempted or self.policy.stop(step)
         resume_epoch, resume_step = self.policy.position(epoch, step_in_epoch)
         state = {"epoch": resume_epoch, "step_in_epoch": resume_step, "global_step": step, **self.run}
