@@ -729,6 +729,33 @@ def suite_warm() -> list[Case]:
     return [app, hf, again[0], again[1], fp8, again[2], trl]
 
 
+def suite_nosync() -> list[Case]:
+    """The full-parameter chat FP8 case without a host sync between logged steps (the loop's non-finite check read
+    a step late, DeepSpeed's throughput timer off): first on the machine (its kernels compiled and cached), again
+    with a sync each step as the harness has timed so far (20 steps), TRL likewise; then both sides timing
+    windows of 5 steps, nothing read on the host in between (TRL's per-step NaN check off), twice in either order."""
+    fp8, trl = suite_full1b()[:2]
+    windows = {"train.log_every_steps": 5}
+
+    def windowed(case: Case, name: str) -> Case:
+        sets = {**case.sets, **windows}
+        return dataclasses.replace(case, name=name, sets=sets, warmup=1, steps=4, corpus_tokens=1_500_000)
+
+    per_step = [dataclasses.replace(c, name=c.name + "-20", steps=20) for c in (fp8, trl)]
+    a, b = windowed(fp8, fp8.name + "-w5"), windowed(trl, trl.name + "-w5")
+    again = [dataclasses.replace(c, name=c.name + "-again") for c in (b, a)]
+    return [fp8, *per_step, a, b, *again, profiled(dataclasses.replace(fp8, name=fp8.name + "-prof"))]
+
+
+def suite_warm8b() -> list[Case]:
+    """The 8B full-parameter chat FP8 case of full8b, first on the machine (its Triton and torch.compile kernels
+    compiled mid-run, as its slow fourth step was) and again with them cached under the storage root, then TRL;
+    8 timed steps each after the first run."""
+    _, trl, fp8 = suite_full8b()
+    again = dataclasses.replace(fp8, name=fp8.name + "-again", steps=8, estimate=150)
+    return [fp8, again, dataclasses.replace(trl, steps=8)]
+
+
 def suite_solo3() -> list[Case]:
     """ZeRO-3 on one GPU partitions nothing: the 1.1B text case with every parameter persistent (gathered once,
     never released), one step profiled, beside the default and Trainer + Liger. Measured: no gain (the same
@@ -829,6 +856,8 @@ SUITES = {
     "step4b": suite_step4b,
     "step4c": suite_step4c,
     "warm": suite_warm,
+    "nosync": suite_nosync,
+    "warm8b": suite_warm8b,
     "peer2": suite_peer2,
     "explore": suite_explore,
     "gpu": suite_gpu,
@@ -899,7 +928,7 @@ def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
         "train.epochs": 1,
         "train.max_steps_per_epoch": None,
         # A few spare steps: the harness ends the run after the timed ones (a checkpoint case ends by itself).
-        "train.max_steps": need if case.checkpoint else need + 3,
+        "train.max_steps": (need if case.checkpoint else need + 3) * case.sets.get("train.log_every_steps", 1),
         "train.log_every_steps": 1,
         "train.eval_every_steps": None,
         "checkpoint.every_steps": None,

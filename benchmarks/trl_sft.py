@@ -12,8 +12,10 @@ packing into `data.seq_length` blocks (TRL's best-fit-decreasing packing, paddin
 and the target modules the app resolves (`app.lora.target_modules`), Liger's kernels (TRL's `use_liger_kernel`,
 with its own chunked LM-head loss), micro-batch, accumulation, learning rate, clipping and a fused torch AdamW.
 Without `--deepspeed` TRL runs plain PyTorch on one GPU (its fastest setting there); with it, the app's ds_config.
-Step times are taken at each `on_step_end` after `torch.cuda.synchronize()`; tokens/s counts the targets (labels
-other than -100 after the shift), as the app's loop counts them.
+Step times are taken at each `on_step_end` after `torch.cuda.synchronize()`, or every `train.log_every_steps` steps
+of the config (its window's mean; TRL's per-step NaN check of the loss then off, as the app reads nothing on the host
+between its logged steps either); tokens/s counts the targets (labels other than -100 after the shift), as the
+app's loop counts them.
 """
 
 from __future__ import annotations
@@ -78,7 +80,11 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model)
     tokenizer.chat_template = chat.template_of(d, tokenizer)
     train_set = datasets.load_dataset("json", data_files=d.dataset, split="train").select_columns(["messages"])
-    total = args.warmup + args.steps
+    # The config's train.log_every_steps: the step times are taken (and the loss logged) every that many steps, as
+    # the app's loop reads them; --warmup and --steps count such windows. Beyond one, TRL's per-step check of the loss
+    # for NaN (a host sync each step) is off too: both sides then run without a host sync between their logged steps.
+    every = cfg.train.log_every_steps
+    total = (args.warmup + args.steps) * every
     # Before SFTConfig: with a ZeRO-3 ds_config it makes a live HfDeepSpeedConfig, under which no meta model builds.
     peft = lora_config(cfg) if cfg.model.lora is not None else None
     sft = SFTConfig(
@@ -90,7 +96,7 @@ def main() -> None:
         assistant_only_loss=not d.train_on_prompt,
         use_liger_kernel=bool(cfg.model.liger_kernels),
         gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
-        **trainer_args(cfg, total, ds),
+        **{**trainer_args(cfg, total, ds), "logging_steps": every, "logging_nan_inf_filter": every == 1},
         dataset_num_proc=4,
     )
 
@@ -101,6 +107,8 @@ def main() -> None:
             self.targets: list[int] = []
 
         def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % every:
+                return
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.ends.append(time.time())
@@ -133,18 +141,18 @@ def main() -> None:
     trainer.train()
     if rank != 0:
         return
-    write_result(args, cfg, clock, launch, trainer.model, mc, attn, metrics, hidden_size, profiler)
+    write_result(args, cfg, clock, launch, trainer.model, mc, attn, metrics, hidden_size, profiler, every)
 
 
-def write_result(args, cfg, clock, launch, model, mc, attn, metrics, hidden_size, profiler) -> None:
+def write_result(args, cfg, clock, launch, model, mc, attn, metrics, hidden_size, profiler, every: int) -> None:
     import torch
 
     from benchmarks.hf_trainer import timed_steps, timing
 
     timed = timed_steps(clock.ends, args.warmup, profiler.at)
-    times = [clock.ends[n - 1] - clock.ends[n - 2] for n in timed]
+    times = [(clock.ends[n - 1] - clock.ends[n - 2]) / every for n in timed]  # a window's mean step time
     targets = [clock.targets[n - 1] for n in timed]
-    tps = sum(targets) / sum(times)
+    tps = sum(targets) / sum(times) / every
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
     layers = getattr(mc, "num_hidden_layers", None) or getattr(mc, "n_layer", 0)
@@ -152,7 +160,8 @@ def write_result(args, cfg, clock, launch, model, mc, attn, metrics, hidden_size
     result = {
         **timing(clock, times, launch),
         "tokens_per_s_per_gpu": round(tps, 1),
-        "target_tokens_per_step": round(sum(targets) / len(targets), 1),
+        "target_tokens_per_step": round(sum(targets) / len(targets) / every, 1),
+        "steps_per_window": every,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
         "trainable_params": trainable,
         "params": n_params,
