@@ -22,6 +22,12 @@ from e2e.node import Node
 _ids = itertools.count()
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked before_node stage leftovers of a node on the host: they run before the session's node starts
+    (a stable sort keeps every other test's order)."""
+    items.sort(key=lambda item: item.get_closest_marker("before_node") is None)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 

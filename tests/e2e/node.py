@@ -18,7 +18,9 @@ Everything lies under one state folder, but for what containerd 1.6 and the kube
 (/run/containerd, /var/lib/kubelet, /var/lib/cni), three global sysctls the kubelet rewrites, the `kubepods`
 cgroups, kube-proxy's nftables tables and the bridge. `stop()` removes or restores all of it (also registered
 with atexit, so a failing, interrupted or terminated run cleans up), and `leftovers()` names whatever is still
-there: the test fails on it.
+there: the test fails on it. A run killed outright (SIGKILL, a machine's session ending) cannot clean up; its
+state folder holds an owner record (the test process, what the host had before), and the next node's `start()`
+reclaims such a node once its owner is gone, restoring the host as the dead run would have.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops")
 # Written by containerd 1.6 or the kubelet whatever their configured folders; removed when this created them.
 FIXED_PATHS = ("/run/containerd", "/var/lib/kubelet", "/var/lib/cni", "/opt/containerd", "/etc/cni")
 NFT_TABLES = (("ip", "kube-proxy"), ("ip6", "kube-proxy"))
+OWNER_FILE = "owner.json"  # in the state folder: who runs this node and what to restore if it is killed
 READY_TIMEOUT_S = 120
 # Pods run here only where their namespace tolerates this (admit()).
 TAINT = {"key": "finetune-e2e/pods", "value": "run", "effect": "NoSchedule"}
@@ -143,6 +146,29 @@ def kubepods_pids() -> list[int]:
     return sorted(pid for mount in cgroup_mounts() for pid in cgroup_pids(mount / "kubepods"))
 
 
+def process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (with the pid, it names one process: pids are
+    reused); None when no such process runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22; the name before ")" may hold spaces
+
+
+def stale_nodes() -> list[Path]:
+    """State folders of nodes whose test process is gone (killed before its teardown could run)."""
+    stale = []
+    for root in Path(tempfile.gettempdir()).glob("ftnode-*"):
+        try:
+            owner = json.loads((root / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # a node still starting (it writes the record before touching the host), or not one of ours
+        if process_start(owner["pid"]) != owner["start"]:
+            stale.append(root)
+    return stale
+
+
 @dataclass
 class Node:
     kubectl_bin: str
@@ -175,6 +201,8 @@ class Node:
     # --- life cycle ----------------------------------------------------------------------------------------
 
     def start(self) -> Node:
+        for root in stale_nodes():
+            self.reclaim(root)
         busy = self._in_use()
         if busy:
             self.root.rmdir()  # still empty
@@ -186,9 +214,11 @@ class Node:
             sh("bash", str(NODE_TOOLS / "install.sh"), timeout=600)
             self.sysctls = {k: sysctl_path(k).read_text().strip() for k in SYSCTLS}
             self.existed = {p: os.path.lexists(p) for p in FIXED_PATHS}
+            self.cluster = ControlPlane(self.kubectl_bin, self.helm_bin, node_address=GATEWAY)
+            self._write_owner()
             self.log_dir.mkdir()
             self._bridge_up()
-            self.cluster = ControlPlane(self.kubectl_bin, self.helm_bin, node_address=GATEWAY).start()
+            self.cluster.start()
             t = time.monotonic()
             self._start_registry()
             self.timings["registry_and_images_s"], t = time.monotonic() - t, time.monotonic()
@@ -208,6 +238,31 @@ class Node:
             raise
         self.timings["start_s"] = time.monotonic() - t0
         return self
+
+    def _write_owner(self) -> None:
+        record = {
+            "pid": os.getpid(),
+            "start": process_start(os.getpid()),
+            "sysctls": self.sysctls,
+            "existed": self.existed,
+            "cluster_root": str(self.cluster.root),
+        }
+        tmp = self.root / f"{OWNER_FILE}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.rename(self.root / OWNER_FILE)
+
+    @staticmethod
+    def reclaim(root: Path) -> list[str]:
+        """Removes what the killed node of state folder `root` left (its pods' processes, mounts, the bridge,
+        cgroups and nftables tables; its control plane's folder) and restores the host as recorded before it
+        started; what is still left. Its own processes died with it (controlplane.spawn)."""
+        owner = json.loads((root / OWNER_FILE).read_text())
+        print(f"\nreclaiming the node of a killed run: {root} (its test process {owner['pid']} is gone)")
+        dead = Node("", "", root=root, sysctls=owner["sysctls"], existed=owner["existed"])
+        dead._clear_host()
+        shutil.rmtree(owner["cluster_root"], ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+        return dead.leftovers()
 
     @staticmethod
     def _in_use() -> list[str]:
@@ -491,14 +546,7 @@ class Node:
             self._stop_proc(name)
         self._kill_containers()
         self._stop_proc("containerd")
-        for pid in [*shim_pids(self.socket), *kubepods_pids()]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for point in mounts_under(self.root):
-            sh("umount", "-l", point, check=False)
-        self._restore_host()
+        self._clear_host()
         for name in list(self.procs):
             self._stop_proc(name)
         if self.registry_started:
@@ -543,6 +591,21 @@ class Node:
         except subprocess.TimeoutExpired:
             kill_group(proc, signal.SIGKILL)
             proc.wait()
+
+    def _clear_host(self) -> None:
+        """With containerd and the kubelet stopped: what their containers left running or mounted goes, and
+        the host is restored."""
+        for pid in [*shim_pids(self.socket), *kubepods_pids()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10  # a killed process leaves its cgroup when it is gone, not at the signal
+        while kubepods_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for point in mounts_under(self.root):
+            sh("umount", "-l", point, check=False)
+        self._restore_host()
 
     def _restore_host(self) -> None:
         for family, table in NFT_TABLES:

@@ -5,7 +5,8 @@ Always) runs as uid 1000 with a read-only root, no effective capabilities, no_ne
 (read from /proc/self/status inside it); `kubectl logs` and `exec` go through the kubelet; Service names
 resolve through CoreDNS and ClusterIPs (`kubernetes` included) answer through kube-proxy; a hostPath
 PersistentVolume bound to a claim is writable through fsGroup only; a graceful delete delivers SIGTERM.
-The session's teardown must leave nothing behind (tests/e2e/conftest.py). Part of `make e2e` (alone:
+The session's teardown must leave nothing behind (tests/e2e/conftest.py), and what a killed run left is
+reclaimed by the next one (tested first, before the session's node starts). Part of `make e2e` (alone:
 `make e2e-node`), whose training pods run on the same node.
 """
 
@@ -14,10 +15,27 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from e2e.node import (
+    BRIDGE,
+    OWNER_FILE,
+    Node,
+    cgroup_mounts,
+    mounts_under,
+    process_start,
+    sh,
+    stale_nodes,
+    sysctl_path,
+)
 
 pytestmark = pytest.mark.e2e
 NS = "node-restricted"
@@ -32,6 +50,60 @@ echo probe-ready
 while true; do sleep 1 & wait $!; done
 """
 ECHO_SCRIPT = "mkdir -p /tmp/www && echo hello-from-echo > /tmp/www/index.html && exec httpd -f -p 8080 -h /tmp/www"
+
+
+def sleeper(argv0: str, *args: str) -> subprocess.Popen:
+    """A process named `argv0` (with `args` on its command line) that sleeps, in a session of its own."""
+    code = "import time; time.sleep(600)"
+    return subprocess.Popen([argv0, "-c", code, *args], executable=sys.executable, start_new_session=True)
+
+
+@pytest.mark.before_node
+def test_a_killed_runs_node_is_reclaimed_and_a_live_ones_is_not(tmp_path):
+    """What a node killed outright leaves (a container's shim and process in the kubepods cgroups, a volume
+    mount, the bridge, kube-proxy's tables, a rewritten sysctl, a path the kubelet made, the control plane's
+    folder) is staged by hand, with an owner record whose process is gone: the next start reclaims it all."""
+    assert not Node._in_use(), "a node is up: this test runs before the session's node starts"
+    panic = "kernel.panic"
+    panic_before = sysctl_path(panic).read_text().strip()
+    root = Path(tempfile.mkdtemp(prefix="ftnode-"))
+    cluster_root = Path(tempfile.mkdtemp(prefix="finetune-e2e-"))
+    made = tmp_path / "var-lib-kubelet"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    record = {"pid": gone.pid, "start": "0", "sysctls": {panic: panic_before}, "existed": {str(made): False}}
+    (root / OWNER_FILE).write_text(json.dumps({**record, "cluster_root": str(cluster_root)}))
+    live = Path(tempfile.mkdtemp(prefix="ftnode-"))
+    (live / OWNER_FILE).write_text(json.dumps({**record, "pid": os.getpid(), "start": process_start(os.getpid())}))
+    procs = [sleeper("containerd-shim-runc-v2", "-address", str(root / "containerd.sock")), sleeper("pod-main")]
+    try:
+        made.mkdir()
+        sysctl_path(panic).write_text(str(int(panic_before) + 7))
+        volume = root / "kubelet" / "pods" / "uid" / "volumes" / "dshm"
+        volume.mkdir(parents=True)
+        sh("mount", "-t", "tmpfs", "tmpfs", str(volume))
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("nft", "add", "table", "ip", "kube-proxy")
+        pod_cgroups = [mount / "kubepods" / "podtest" for mount in cgroup_mounts()]
+        for folder in pod_cgroups:
+            folder.mkdir(parents=True)
+        (pod_cgroups[0] / "cgroup.procs").write_text(str(procs[1].pid))
+        assert len(Node._in_use()) >= 3, Node._in_use()
+
+        assert stale_nodes() == [root], "the live owner's node, or none, was taken for stale"
+        assert Node.reclaim(root) == []
+        assert not Node._in_use()
+        assert [p.wait(timeout=10) for p in procs] == [-signal.SIGKILL] * 2
+        assert sysctl_path(panic).read_text().strip() == panic_before
+        assert not made.exists() and not root.exists() and not cluster_root.exists()
+        assert live.exists(), "a live run's node was touched"
+    finally:
+        for p in procs:
+            p.kill()
+        Node("", "", root=root, sysctls={panic: panic_before})._clear_host()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
+    assert not mounts_under(root)
 
 
 @pytest.fixture(scope="module")
