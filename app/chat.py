@@ -6,11 +6,19 @@ A conversation's assistant spans come from the template's `{% generation %}` blo
 rendering the conversation turn by turn (the text before an assistant turn, with the generation prompt, and the
 text through it, are prefixes of the whole rendering). Tokens that overlap a span are targets; trailing whitespace
 of a span is not, so each assistant turn's last target is its end-of-turn (or EOS) token.
+
+Tool use is data like any other turn: an assistant turn's `tool_calls` (OpenAI's and Hugging Face's
+`{"type": "function", "function": {"name", "arguments"}}`) are targets, `tool` turns are not, and a `tools` column
+(the function schemas) goes to the template as apply_chat_template's `tools`. A template that drops the calls or
+the schemas is refused, as the model would learn calls it never sees. Prompt/completion rows whose prompt and
+completion are lists of messages (TRL's conversational form) render as one conversation whose targets are the
+completion's assistant turns.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import re
 from typing import Any, Callable
@@ -21,26 +29,41 @@ log = logging.getLogger("finetune")
 
 FORMATS = ("text", "chat", "prompt_completion")
 COLUMNS = {"text": (), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+TOOLS = "tools"  # an optional column of conversations: the function schemas the template shows the model
 ROLES = ("system", "user", "assistant", "tool")
 ROW = "__source_row"  # each row's index in its split, kept through the eval split, for error messages
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
+
+def _layout(opening, end: str) -> str:
+    """A template of the app's: each turn `opening(role)` (a Jinja expression), its content, `end` (a Jinja
+    expression: the end-of-turn token); the assistant's turns in generation blocks. Tool use as Qwen2.5 and Hermes
+    write it: the schemas in a first system turn, each call after the assistant's text as
+    <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool results as turns of role tool. Without tools or
+    calls nothing of that is rendered."""
+    tools = (
+        "{% if tools %}{{ " + opening("'system'") + " + 'You can call these functions; write each call as "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.\n<tools>\n\' }}{% for tool in tools %}'
+        "{{ tool | tojson + '\n' }}{% endfor %}{{ '</tools>' + " + end + " + '\n' }}{% endif %}"
+    )
+    calls = (
+        "{% for call in message['tool_calls'] or [] %}{{ '<tool_call>\n' + ({'name': call['function']['name'], "
+        "'arguments': call['function']['arguments']} | tojson) + '\n</tool_call>' }}{% endfor %}"
+    )
+    return (
+        tools + "{% for message in messages %}{{ " + opening("message['role']") + " }}"
+        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}" + calls + "{{ " + end + " }}"
+        "{% endgeneration %}{{ '\n' }}{% else %}{{ message['content'] + " + end + " + '\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ " + opening("'assistant'") + " }}{% endif %}"
+    )
+
+
 # For base models whose tokenizer has no template. Both mark the assistant turns with generation blocks.
 TEMPLATES = {
     # ChatML (Qwen, many instruct models): needs <|im_start|> and <|im_end|> to be tokens of the tokenizer.
-    "chatml": (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-        "{% endgeneration %}{{ '\n' }}{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    ),
+    "chatml": _layout(lambda role: f"'<|im_start|>' + {role} + '\n'", "'<|im_end|>'"),
     # Zephyr's layout: every turn ends with the tokenizer's EOS, so it fits any base model's vocabulary.
-    "zephyr": (
-        "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' }}"
-        "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}"
-        "{% endgeneration %}{{ '\n' }}{% else %}{{ message['content'] + eos_token + '\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-    ),
+    "zephyr": _layout(lambda role: f"'<|' + {role} + '|>\n'", "eos_token"),
 }
 
 
@@ -88,9 +111,15 @@ def template_name(cfg) -> str:
 
 
 # --- row checks -------------------------------------------------------------------------------------------------
+CALL_SHAPE = '{"type": "function", "function": {"name": ..., "arguments": {...}}}'
+
+
 def row_problem(row: dict[str, Any], fmt: str) -> tuple[str, str] | None:
     """(what is wrong, the fix) for a row this format cannot train on, else None."""
     if fmt == "prompt_completion":
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if isinstance(prompt, list) or isinstance(completion, list):
+            return _conversational_problem(prompt, completion) or _tools_problem(row.get(TOOLS))
         for column in COLUMNS[fmt]:
             value = row.get(column)
             if value is None:
@@ -107,30 +136,146 @@ def row_problem(row: dict[str, Any], fmt: str) -> tuple[str, str] | None:
         return f"'messages' is {type(messages).__name__}, not a list", "write 'messages' as a list of {role, content}"
     if not messages:
         return "has an empty conversation", "remove the row, or give it a user and an assistant turn"
-    for n, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"message {n} is {type(message).__name__}, not a {{role, content}} mapping", "fix the row"
-        if message.get("role") not in ROLES:
-            return f"message {n} has role {message.get('role')!r}", f"use one of the roles {', '.join(ROLES)}"
-        if not isinstance(message.get("content"), str):
-            got = _short(message.get("content"))
-            return f"message {n} ({message['role']}) has content {got}, not text", "write each content as a string"
+    if problem := _messages_problem(messages) or _tools_problem(row.get(TOOLS)):
+        return problem
     if not any(m["role"] == "assistant" for m in messages):
         return "has no assistant turn (nothing to train on)", "add the assistant's answer, or remove the row"
     return None
 
 
+def _conversational_problem(prompt, completion) -> tuple[str, str] | None:
+    """TRL's conversational prompt/completion: both lists of messages, the completion holding an assistant turn."""
+    if not (isinstance(prompt, list) and isinstance(completion, list)):
+        got = f"'prompt' is {type(prompt).__name__}, 'completion' {type(completion).__name__}"
+        return f"{got}: a conversational row has both as lists of messages", "write both as lists, or both as text"
+    if problem := _messages_problem(prompt + completion):
+        return problem
+    if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in completion):
+        return "has no assistant turn in 'completion' (nothing to train on)", "put the answer in an assistant turn"
+    return None
+
+
+def _messages_problem(messages: list) -> tuple[str, str] | None:
+    for n, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"message {n} is {type(message).__name__}, not a {{role, content}} mapping", "fix the row"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"message {n} has role {role!r}", f"use one of the roles {', '.join(ROLES)}"
+        calls = message.get("tool_calls")
+        if calls is not None and (problem := _calls_problem(n, role, calls)):
+            return problem
+        if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
+            got = _short(message.get("content"))
+            return f"message {n} ({role}) has content {got}, not text", "write each content as a string"
+    return None
+
+
+def _calls_problem(n: int, role: str, calls) -> tuple[str, str] | None:
+    """An assistant turn's tool_calls: a list of {"function": {name, arguments}} (or {name, arguments}), the
+    arguments an object or its JSON text."""
+    if role != "assistant":
+        return f"message {n} ({role}) has tool_calls", "only assistant turns call tools: move the calls to one"
+    if not isinstance(calls, list):
+        return f"message {n} has tool_calls {_short(calls)}, not a list", f"write each call as {CALL_SHAPE}"
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            return f"message {n} has a tool call {_short(call)} without a function name", f"write it as {CALL_SHAPE}"
+        if not isinstance(_arguments(fn.get("arguments")), dict):
+            got = _short(fn.get("arguments"))
+            return (
+                f"message {n} calls {fn['name']!r} with arguments {got}, not an object",
+                "write them as a JSON object",
+            )
+    return None
+
+
+def _tools_problem(tools) -> tuple[str, str] | None:
+    """The tools column: a list of function schemas (or its JSON text), each naming its function."""
+    fix = 'write the tools as a list of {"type": "function", "function": {"name": ..., "parameters": {...}}}'
+    try:
+        schemas = _tools(tools)
+    except ValueError:
+        return f"has tools {_short(tools)}, which is not JSON", fix
+    if schemas is None:
+        return None
+    if not isinstance(schemas, list) or not all(isinstance(_tool_name(t), str) for t in schemas):
+        return f"has tools {_short(tools)}, not a list of function schemas with names", fix
+    return None
+
+
 # --- rendering and masks ----------------------------------------------------------------------------------------
+def _arguments(value):
+    """A call's arguments as the templates take them: an object (JSON text parsed; absent: no arguments)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _no_nulls(value):
+    """Keys whose value is null dropped, at every depth: `datasets` gives every row's objects the union of the
+    keys of all rows (a call's arguments, a schema's properties), the missing ones null."""
+    if isinstance(value, dict):
+        return {k: _no_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_no_nulls(v) for v in value]
+    return value
+
+
+def _tools(value) -> list | None:
+    """The tools column as apply_chat_template's `tools` (JSON text parsed, nulls dropped); None when absent."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    return None if value is None else _no_nulls(value)
+
+
+def _tool_name(schema) -> str | None:
+    fn = schema.get("function", schema) if isinstance(schema, dict) else None
+    return fn.get("name") if isinstance(fn, dict) else None
+
+
+def _call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call in the shape Hugging Face's templates read: {"type": "function", "function": {name, arguments}}."""
+    fn = call.get("function", call)
+    out = {k: v for k, v in call.items() if v is not None and k not in ("function", "name", "arguments")}
+    arguments = _no_nulls(_arguments(fn.get("arguments")))
+    return {**out, "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+
+
 def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """As apply_chat_template normalises them: keys whose value is None (columns other rows have) are dropped."""
-    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+    """As apply_chat_template normalises them: keys whose value is None (columns other rows have) are dropped; tool
+    calls in one shape, and the content of an assistant turn that only calls tools empty text."""
+    out = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        if message.get("tool_calls"):
+            message = {"content": "", **message, "tool_calls": [_call(c) for c in message["tool_calls"]]}
+        out.append(message)
+    return out
 
 
-def _render(messages, template: str, tokenizer, with_spans: bool = False, add_generation_prompt: bool = False):
+def conversation(row: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], Any, int] | None:
+    """A row that passed row_problem as (its messages, its tools column, the index of the first message whose
+    assistant turns are targets); None for a prompt/completion row of text."""
+    if fmt == "chat":
+        return row["messages"], row.get(TOOLS), 0
+    if isinstance(row["prompt"], list):
+        return row["prompt"] + row["completion"], row.get(TOOLS), len(row["prompt"])
+    return None
+
+
+def _render(messages, template: str, tokenizer, tools=None, with_spans: bool = False, add_generation_prompt=False):
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, spans = render_jinja_template(
         conversations=[messages],
+        tools=tools,
         chat_template=template,
         return_assistant_tokens_mask=with_spans,
         add_generation_prompt=add_generation_prompt,
@@ -143,19 +288,20 @@ class TemplateError(Exception):
     """The template cannot render this conversation, or renders it so that the assistant turns cannot be found."""
 
 
-def render_chat(messages: list[dict[str, Any]], template: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered text, the character spans of the assistant turns, trailing whitespace left out)."""
-    messages = _plain(messages)
+def render_chat(messages, template: str, tokenizer, tools=None, first_target: int = 0) -> tuple[str, list]:
+    """(the rendered text, the character spans of the assistant turns from message `first_target` on, trailing
+    whitespace left out)."""
+    messages, tools = _plain(messages), _tools(tools)
     try:
         if GENERATION.search(template):
-            text, spans = _render(messages, template, tokenizer, with_spans=True)
+            text, spans = _render(messages, template, tokenizer, tools, with_spans=True)
         else:
-            text, spans = _render(messages, template, tokenizer)[0], []
+            text, spans = _render(messages, template, tokenizer, tools)[0], []
             for i, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
-                before = _render(messages[:i], template, tokenizer, add_generation_prompt=True)[0]
-                through = _render(messages[: i + 1], template, tokenizer)[0]
+                before = _render(messages[:i], template, tokenizer, tools, add_generation_prompt=True)[0]
+                through = _render(messages[: i + 1], template, tokenizer, tools)[0]
                 if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
                     raise TemplateError(
                         "it renders a conversation's first turns differently from the whole conversation, so the "
@@ -166,7 +312,33 @@ def render_chat(messages: list[dict[str, Any]], template: str, tokenizer) -> tup
         raise
     except Exception as exc:  # noqa: BLE001 - Jinja's errors, and raise_exception() calls in the template
         raise TemplateError(f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    _check_tools_rendered(text, messages, tools)
+    if first_target:
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if len(spans) != len(turns):
+            raise TemplateError(
+                f"its generation blocks mark {len(spans)} spans for {len(turns)} assistant turns, so the "
+                "completion's turns cannot be told from the prompt's"
+            )
+        spans = [span for span, i in zip(spans, turns) if i >= first_target]
     return text, [(lo, lo + len(text[lo:hi].rstrip())) for lo, hi in spans if text[lo:hi].strip()]
+
+
+def _check_tools_rendered(text: str, messages: list[dict[str, Any]], tools: list | None) -> None:
+    """A template that drops tool calls or schemas (most base templates know neither) would teach calls the
+    model never sees, or answers to functions it was never shown: refused, naming the first one missing."""
+    names = [("the tool", _tool_name(t)) for t in tools or []]
+    names += [
+        (f"message {n}'s call to", c["function"]["name"])
+        for n, m in enumerate(messages)
+        for c in m.get("tool_calls", [])
+    ]
+    for what, name in names:
+        if name not in text:
+            raise TemplateError(
+                f"it does not render tool use: {what} {name!r} is not in its rendering; use a template that renders "
+                f"tool calls and the tools' schemas (a tool-calling model's own, or one of {', '.join(TEMPLATES)})"
+            )
 
 
 def _targets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> tuple[list[bool], list[int]]:
@@ -182,9 +354,11 @@ def _targets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> tu
     return mask, ends
 
 
-def encode_chat(messages, template: str, tokenizer, train_on_prompt: bool) -> tuple[list[int], list[int], list[int]]:
-    """(token ids, labels, the token index after each assistant turn: where a truncation may cut)."""
-    text, spans = render_chat(messages, template, tokenizer)
+def encode_chat(
+    messages, template: str, tokenizer, train_on_prompt: bool, tools=None, first_target: int = 0
+) -> tuple[list[int], list[int], list[int]]:
+    """(token ids, labels, the token index after each target assistant turn: where a truncation may cut)."""
+    text, spans = render_chat(messages, template, tokenizer, tools, first_target)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask, ends = _targets(enc["offset_mapping"], spans)
     ids = enc["input_ids"]
@@ -211,7 +385,8 @@ def unknown_markers(messages, template: str, tokenizer) -> list[str]:
     unk = tokenizer.unk_token_id
     if unk is None:
         return []
-    text = _render(_plain([{**m, "content": ""} for m in messages]), template, tokenizer)[0]
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} | {"content": ""} for m in messages]
+    text = _render(_plain(bare), template, tokenizer)[0]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     pieces = (text[lo:hi] for t, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"]) if t == unk)
     return sorted({piece for piece in pieces if piece != tokenizer.unk_token})
@@ -261,19 +436,26 @@ def fit(ids: list[int], labels: list[int], ends: list[int], seq: int) -> tuple[l
 # --- the dataset ------------------------------------------------------------------------------------------------
 class Encoder:
     """Rows to (ids, labels, cut points), naming the source row of any bad one (a class: `datasets` pickles it for
-    map's worker processes)."""
+    map's worker processes). The template is looked up at the first row that needs one."""
 
     def __init__(self, cfg, fmt: str, tokenizer, locate: Callable[[int], str]):
         self.fmt, self.tokenizer, self.locate, self.cfg = fmt, tokenizer, locate, cfg
-        self.template = template_of(cfg, tokenizer) if fmt == "chat" else ""
+        self._template = template_of(cfg, tokenizer) if fmt == "chat" else None
+
+    @property
+    def template(self) -> str:
+        if self._template is None:
+            self._template = template_of(self.cfg, self.tokenizer)
+        return self._template
 
     def __call__(self, row: dict[str, Any]):
         if (problem := row_problem(row, self.fmt)) is not None:
             raise Problem("data.dataset", self.locate(row[ROW]), *problem)
-        if self.fmt == "prompt_completion":
+        if (turns := conversation(row, self.fmt)) is None:
             return encode_prompt_completion(row["prompt"], row["completion"], self.tokenizer, self.cfg.train_on_prompt)
+        messages, tools, first_target = turns
         try:
-            return encode_chat(row["messages"], self.template, self.tokenizer, self.cfg.train_on_prompt)
+            return encode_chat(messages, self.template, self.tokenizer, self.cfg.train_on_prompt, tools, first_target)
         except TemplateError as exc:
             raise render_problem(self.cfg, self.locate(row[ROW]), exc) from None
 
@@ -284,9 +466,8 @@ def tokenize(raw, tokenizer, cfg, fmt: str, locate: Callable[[int], str], num_pr
     turn boundary and those dropped (not even one assistant turn fits). Refuses a template whose own text the
     tokenizer does not have (markers_problem, on the first row)."""
     encoder, seq = Encoder(cfg, fmt, tokenizer, locate), cfg.seq_length
-    if fmt == "chat" and len(raw) and row_problem(raw[0], fmt) is None:
-        first = raw[0]
-        if problem := markers_problem(cfg, locate(first[ROW]), first["messages"], encoder.template, tokenizer):
+    if len(raw) and row_problem(raw[0], fmt) is None and (turns := conversation(raw[0], fmt)) is not None:
+        if problem := markers_problem(cfg, locate(raw[0][ROW]), turns[0], encoder.template, tokenizer):
             raise problem
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
@@ -380,22 +561,25 @@ def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], token
             problems.append(Problem("data.dataset", where, *problem))
             if len(problems) == MAX_REPORTED:
                 break
-    if problems or fmt != "chat" or not rows:
+    if problems:
         return problems
+    rendered = [(where, turns) for where, row in rows if (turns := conversation(row, fmt)) is not None]
+    if not rendered:
+        return []
     try:
         tokenizer = tokenizer_of()
     except Exception:  # noqa: BLE001 - e.g. a hub tokenizer out of reach from here: the run checks every row
         return []
     try:
         template = template_of(cfg, tokenizer)
-        for where, row in rows:
-            encode_chat(row["messages"], template, tokenizer, cfg.train_on_prompt)
+        for where, (messages, tools, first_target) in rendered:
+            encode_chat(messages, template, tokenizer, cfg.train_on_prompt, tools, first_target)
     except Problem as problem:
         return [problem]
     except TemplateError as exc:
         return [render_problem(cfg, where, exc)]
-    where, row = rows[0]
-    problem = markers_problem(cfg, where, row["messages"], template, tokenizer)
+    where, (messages, _, _) = rendered[0]
+    problem = markers_problem(cfg, where, messages, template, tokenizer)
     return [problem] if problem else []
 
 

@@ -136,10 +136,10 @@ def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -
             continue
         try:
             columns, *_ = _read_sample(file, kind, "messages")
-            values = {c: _read_sample(file, kind, c)[1] for c in chat.COLUMNS[fmt] if c in columns}
+            values = {c: _read_sample(file, kind, c)[1] for c in (*chat.COLUMNS[fmt], chat.TOOLS) if c in columns}
         except ValueError as exc:
             return [Problem("data.dataset", file, f"cannot be read as {kind}: {str(exc)[:200]}", "fix the file")]
-        if not values:
+        if not set(values) & set(chat.COLUMNS[fmt]):
             return [
                 Problem(
                     "data.format",

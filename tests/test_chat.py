@@ -193,20 +193,137 @@ def test_long_conversations_are_cut_at_a_turn_boundary_or_dropped(tok, tmp_path,
     assert "1 truncated at a turn boundary, 1 dropped" in caplog.text
 
 
+def call(name: str, arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+ASK = {"role": "user", "content": "Score of the home team?"}
+TOOL_USE = [
+    ASK,
+    {"role": "assistant", "content": None, "tool_calls": [call("get_score", '{"team": "home"}')]},
+    {"role": "tool", "content": "2-1"},
+    {"role": "assistant", "content": "Two to one."},
+]
+SCHEMA = {"type": "object", "properties": {"team": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_score", "description": "The score", "parameters": SCHEMA}}]
+
+
+@pytest.mark.parametrize("template", ["zephyr", PLAIN_ZEPHYR], ids=["generation-blocks", "turn-by-turn"])
+def test_tool_calls_are_targets_and_tool_results_and_schemas_are_not(tok, template):
+    """The assistant's call (its arguments' JSON text parsed, as templates take them) is a target through its end
+    token; the tools' schemas (in the template's first turn) and the tool's result are not."""
+    template = chat.TEMPLATES.get(template, template)
+    ids, labels, ends = chat.encode_chat(TOOL_USE, template, tok, False, TOOLS)
+    parsed = [*TOOL_USE[:1], {**TOOL_USE[1], "content": "", "tool_calls": [call("get_score", {"team": "home"})]}]
+    assert ids == tok.apply_chat_template([*parsed, *TOOL_USE[2:]], tools=TOOLS, chat_template=template)["input_ids"]
+    seen = runs(tok, ids, labels)
+    assert [text for text, target in seen if target] == [
+        f'<tool_call>\n{{"name": "get_score", "arguments": {{"team": "home"}}}}\n</tool_call>{EOS}',
+        f"Two to one.{EOS}",
+    ]
+    assert '"description": "The score"' in seen[0][0] and not seen[0][1]
+    assert [ids[e - 1] for e in ends] == [tok.eos_token_id] * 2
+
+
+def test_tool_rows_from_parquet_render_as_written(tok, tmp_path, tiny_model):
+    """A parquet file (the hub's format) gives every row's arguments and schemas the keys of all rows, the missing
+    ones null (and orders an object's keys as the first row that has them: the rows here share one order): the
+    rows render as they were written, nulls dropped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    other = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    weather = [{"type": "function", "function": {"name": "forecast", "description": "Rain", "parameters": other}}]
+    asked = [{"role": "user", "content": "Rain in Oslo?"}]
+    rows = [
+        {"messages": [*asked, {"role": "assistant", "tool_calls": [call("forecast", {"city": "Oslo", "days": 2})]}]},
+        {"messages": [ASK, {"role": "assistant", "tool_calls": [call("get_score", {"team": "home"})]}]},
+    ]
+    rows = [{**rows[0], "tools": weather}, {**rows[1], "tools": TOOLS}]
+    path = tmp_path / "tools.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = DataConfig(dataset=str(path), split="train", seq_length=512, packing=False, chat_template="zephyr")
+    loaded = data.load_split(cfg, cfg.split)
+    assert loaded[1]["messages"][1]["tool_calls"][0]["function"]["arguments"]["days"] is None  # what parquet gives
+    ds = data.tokenize(loaded, tok, cfg)
+    for row, written in zip(ds, rows):
+        ids, labels, _ = chat.encode_chat(written["messages"], chat.TEMPLATES["zephyr"], tok, False, written["tools"])
+        assert row["input_ids"][: len(ids)].tolist() == ids and row["labels"][: len(ids)].tolist() == labels
+    assert "null" not in tok.decode(ds[1]["input_ids"]) and '"arguments": {"team": "home"}' in tok.decode(
+        ds[1]["input_ids"]
+    )
+    assert data.check_source(cfg, ModelConfig(name_or_path=str(tiny_model))) == []
+
+
+def test_a_template_that_drops_tool_use_is_refused_with_the_row(tmp_path, tiny_model):
+    no_tools = chat.TEMPLATES["zephyr"].replace("{% for call in message['tool_calls'] or [] %}", "{% for call in [] %}")
+    model = ModelConfig(name_or_path=str(tiny_model))
+    for rows, says in [
+        ([{"messages": TOOL_USE}], "message 1's call to 'get_score' is not in its rendering"),
+        ([{"messages": CONVERSATION, "tools": TOOLS}], "the tool 'get_score' is not in its rendering"),
+    ]:
+        path = write_jsonl(tmp_path / "chat.jsonl", rows)
+        template = no_tools if "tools" not in rows[0] else PLAIN_ZEPHYR.replace("{% if tools %}", "{% if false %}")
+        problems = data.check_source(DataConfig(dataset=path, split="train", chat_template=template), model)
+        assert [(p.field, p.message.split(": ", 1)[0]) for p in problems] == [
+            ("data.chat_template", f"cannot render {path} line 1")
+        ], problems
+        assert says in problems[0].message, problems[0]
+        assert data.check_source(DataConfig(dataset=path, split="train", chat_template="zephyr"), model) == []
+
+
+def test_conversational_prompt_completion_trains_on_the_completion_only(tok, tmp_path):
+    """TRL's conversational prompt/completion: one conversation whose targets are the completion's assistant turns,
+    not an example answer inside the prompt."""
+    prompt = [*CONVERSATION[:3], {"role": "user", "content": "And the score?"}]
+    completion = [{"role": "assistant", "content": "Two to one."}]
+    rows = [{"prompt": prompt, "completion": completion}]
+    _, ds = tokenized(tok, tmp_path, rows, seq_length=192, packing=False, chat_template="zephyr")
+    n = int(ds[0]["attention_mask"].sum())
+    seen = runs(tok, ds[0]["input_ids"][:n].tolist(), ds[0]["labels"][:n].tolist())
+    assert [text for text, target in seen if target] == [f"Two to one.{EOS}"]
+    assert "".join(text for text, _ in seen) == tok.decode(
+        tok.apply_chat_template(prompt + completion, chat_template=chat.TEMPLATES["zephyr"])["input_ids"]
+    )
+    _, everything = tokenized(
+        tok, tmp_path, rows, seq_length=192, packing=False, chat_template="zephyr", train_on_prompt=True
+    )
+    assert everything[0]["labels"][:n].tolist() == ds[0]["input_ids"][:n].tolist()
+    # A tools column goes to the template as with chat rows.
+    called = [ASK, {"role": "assistant", "tool_calls": [call("get_score", {"team": "home"})]}]
+    encoder = chat.Encoder(DataConfig(chat_template="zephyr"), "prompt_completion", tok, str)
+    ids, labels, _ = encoder({"prompt": called[:1], "completion": called[1:], "tools": TOOLS, chat.ROW: 0})
+    assert (ids, labels) == chat.encode_chat(called, chat.TEMPLATES["zephyr"], tok, False, TOOLS)[:2]
+    first_target = next(i for i, label in enumerate(labels) if label != -100)
+    assert '"name": "get_score", "description"' in tok.decode(ids[:first_target])  # the schema, before the call
+
+
 BAD_ROWS = [
     ({"text": "no messages"}, "has no 'messages'"),
     ({"messages": [{"role": "bot", "content": "hi"}]}, "message 0 has role 'bot'"),
     ({"messages": [{"role": "user", "content": ["a", "list"]}]}, "has content ['a', 'list'], not text"),
     ({"messages": []}, "has an empty conversation"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "has no assistant turn"),
+    ({"messages": [{**ASK, "tool_calls": [call("f", {})]}]}, "message 0 (user) has tool_calls"),
+    ({"messages": [ASK, {"role": "assistant", "tool_calls": [{"function": {}}]}]}, "without a function name"),
+    ({"messages": [ASK, {"role": "assistant", "tool_calls": [call("f", "{oops")]}]}, "with arguments '{oops'"),
+    ({"messages": [ASK, {"role": "assistant", "content": None}]}, "message 1 (assistant) has content None"),
+    ({"messages": TOOL_USE, "tools": "[{"}, "which is not JSON"),
+    ({"messages": TOOL_USE, "tools": [{"type": "function"}]}, "not a list of function schemas with names"),
+    ({"prompt": [ASK], "completion": "Two."}, "'prompt' is list, 'completion' str"),
+    ({"prompt": [ASK], "completion": [{"role": "user", "content": "?"}]}, "no assistant turn in 'completion'"),
 ]
+BAD_IDS = ["no-messages", "role", "content", "empty", "no-assistant", "call-by-user", "call-name", "arguments"]
+BAD_IDS += ["no-content", "tools-json", "tools-names", "mixed-prompt-completion", "completion-no-assistant"]
 
 
-@pytest.mark.parametrize("row,message", BAD_ROWS, ids=["no-messages", "role", "content", "empty", "no-assistant"])
+@pytest.mark.parametrize("row,message", BAD_ROWS, ids=BAD_IDS)
 def test_bad_rows_are_refused_before_the_cluster_with_file_and_line(tmp_path, tiny_model, row, message):
-    good = {"messages": CONVERSATION}
+    conversational = "prompt" in row
+    good = {"prompt": [ASK], "completion": [CONVERSATION[2]]} if conversational else {"messages": CONVERSATION}
     path = write_jsonl(tmp_path / "chat.jsonl", [good, good, row])
-    cfg = DataConfig(dataset=path, split="train", format="chat", chat_template="zephyr")
+    fmt = "prompt_completion" if conversational else "chat"
+    cfg = DataConfig(dataset=path, split="train", format=fmt, chat_template="zephyr")
     problems = data.check_source(cfg, ModelConfig(name_or_path=str(tiny_model)))
     assert [(p.field, p.value) for p in problems] == [("data.dataset", f"{path} line 3")], problems
     assert message in problems[0].message and problems[0].fix
