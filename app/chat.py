@@ -12,7 +12,8 @@ Tool use is data like any other turn: an assistant turn's `tool_calls` (OpenAI's
 (the function schemas) goes to the template as apply_chat_template's `tools`. A template that drops the calls or
 the schemas is refused, as the model would learn calls it never sees. Prompt/completion rows whose prompt and
 completion are lists of messages (TRL's conversational form) render as one conversation whose targets are the
-completion's assistant turns.
+completion's assistant turns. ShareGPT rows (a `conversations` column of `{from, value}` turns, as axolotl and
+LLaMA-Factory datasets have them: human, gpt, system, function_call, observation) are chat rows too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from app.errors import Problem, _short
 log = logging.getLogger("finetune")
 
 FORMATS = ("text", "chat", "prompt_completion")
-COLUMNS = {"text": (), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+# The columns a format reads: a chat row's turns are in the first of its columns that the row has.
+COLUMNS = {"text": (), "chat": ("messages", "conversations"), "prompt_completion": ("prompt", "completion")}
+# ShareGPT's speakers as roles; function_call is an assistant turn whose value is the call's JSON.
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", "function_call": "assistant"}
 TOOLS = "tools"  # an optional column of conversations: the function schemas the template shows the model
 ROLES = ("system", "user", "assistant", "tool")
 ROW = "__source_row"  # each row's index in its split, kept through the eval split, for error messages
@@ -71,7 +75,7 @@ def resolve_format(fmt: str, columns: list[str]) -> str:
     """The format `data.format` means for a dataset with these columns (auto: chat, prompt_completion or text)."""
     if fmt != "auto":
         return fmt
-    if "messages" in columns:
+    if any(c in columns for c in COLUMNS["chat"]):
         return "chat"
     if "prompt" in columns and "completion" in columns:
         return "prompt_completion"
@@ -129,13 +133,14 @@ def row_problem(row: dict[str, Any], fmt: str) -> tuple[str, str] | None:
         if not row["completion"].strip():
             return "has an empty 'completion' (nothing to train on)", "fill it in, or remove the row"
         return None
-    messages = row.get("messages")
+    column, messages = turns_of(row)
     if messages is None:
         return "has no 'messages'", "give every row a 'messages' list of {role, content}, or set data.format"
     if not isinstance(messages, list):
-        return f"'messages' is {type(messages).__name__}, not a list", "write 'messages' as a list of {role, content}"
+        return f"{column!r} is {type(messages).__name__}, not a list", f"write {column!r} as a list of turns"
     if not messages:
         return "has an empty conversation", "remove the row, or give it a user and an assistant turn"
+    messages = [_role_content(m) for m in messages]
     if problem := _messages_problem(messages) or _tools_problem(row.get(TOOLS)):
         return problem
     if not any(m["role"] == "assistant" for m in messages):
@@ -161,7 +166,11 @@ def _messages_problem(messages: list) -> tuple[str, str] | None:
             return f"message {n} is {type(message).__name__}, not a {{role, content}} mapping", "fix the row"
         role = message.get("role")
         if role not in ROLES:
-            return f"message {n} has role {role!r}", f"use one of the roles {', '.join(ROLES)}"
+            speakers = ", ".join([*SHAREGPT_ROLES, "system"])
+            return (
+                f"message {n} has role {role!r}",
+                f"use one of the roles {', '.join(ROLES)} (ShareGPT's from: {speakers})",
+            )
         calls = message.get("tool_calls")
         if calls is not None and (problem := _calls_problem(n, role, calls)):
             return problem
@@ -260,11 +269,35 @@ def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def turns_of(row: dict[str, Any]) -> tuple[str, Any]:
+    """(the column, the turns) of a chat row: `messages`, else ShareGPT's `conversations`."""
+    for column in COLUMNS["chat"]:
+        if row.get(column) is not None:
+            return column, row[column]
+    return COLUMNS["chat"][0], None
+
+
+def _role_content(message):
+    """A ShareGPT turn ({from, value}) as {role, content} (a function_call as an assistant turn's tool call); any
+    other as it is."""
+    if not isinstance(message, dict) or "from" not in message or "role" in message:
+        return message
+    rest = {k: v for k, v in message.items() if k not in ("from", "value")}
+    speaker, value = message["from"], message.get("value")
+    if speaker != "function_call":
+        return {**rest, "role": SHAREGPT_ROLES.get(speaker, speaker), "content": value}
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        calls = value  # _calls_problem names it
+    return {**rest, "role": "assistant", "content": None, "tool_calls": calls if isinstance(calls, list) else [calls]}
+
+
 def conversation(row: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], Any, int] | None:
     """A row that passed row_problem as (its messages, its tools column, the index of the first message whose
     assistant turns are targets); None for a prompt/completion row of text."""
     if fmt == "chat":
-        return row["messages"], row.get(TOOLS), 0
+        return [_role_content(m) for m in turns_of(row)[1]], row.get(TOOLS), 0
     if isinstance(row["prompt"], list):
         return row["prompt"] + row["completion"], row.get(TOOLS), len(row["prompt"])
     return None

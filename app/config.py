@@ -164,10 +164,11 @@ class DataConfig(Section):
         "auto",
         description="text: raw text, every token a target; chat: a 'messages' column of {role, content} lists "
         "(roles system, user, assistant, tool; an assistant turn may carry tool_calls, and an optional 'tools' "
-        "column holds the function schemas) rendered with the chat template; prompt_completion: 'prompt' and "
+        "column holds the function schemas; ShareGPT's 'conversations' of {from, value} turns are read as "
+        "messages) rendered with the chat template; prompt_completion: 'prompt' and "
         "'completion' columns, both text or both lists of messages (rendered as one conversation, the "
-        "completion's assistant turns the targets); auto: chat when a 'messages' column exists, else "
-        "prompt_completion when both 'prompt' and 'completion' do, else text (the choice is logged).",
+        "completion's assistant turns the targets); auto: chat when a 'messages' or 'conversations' column "
+        "exists, else prompt_completion when both 'prompt' and 'completion' do, else text (the choice is logged).",
     )
     chat_template: str | None = Field(
         None,

@@ -298,6 +298,37 @@ def test_conversational_prompt_completion_trains_on_the_completion_only(tok, tmp
     assert '"name": "get_score", "description"' in tok.decode(ids[:first_target])  # the schema, before the call
 
 
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
+
+
+def sharegpt(messages: list[dict]) -> list[dict]:
+    """The same turns as ShareGPT writes them (LLaMA-Factory's function_call: the call's JSON as the value)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            value = json.dumps([c["function"] for c in m["tool_calls"]])
+            out.append({"from": "function_call", "value": value})
+        else:
+            out.append({"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]})
+    return out
+
+
+def test_sharegpt_rows_train_as_their_chat_form(tok, tmp_path):
+    """axolotl's and LLaMA-Factory's ShareGPT rows (`conversations` of {from, value}; function_call and
+    observation for tool use, `tools` as JSON text) give the tokens and labels of the same chat rows."""
+    rows = [
+        {"conversations": sharegpt(CONVERSATION)},
+        {"conversations": sharegpt(TOOL_USE), "tools": json.dumps(TOOLS)},
+    ]
+    assert chat.resolve_format("auto", ["conversations", "tools"]) == "chat"
+    _, ds = tokenized(tok, tmp_path, rows, seq_length=512, packing=False, chat_template="zephyr")
+    expected = [(CONVERSATION, None), (TOOL_USE, TOOLS)]
+    for row, (messages, tools) in zip(ds, expected):
+        ids, labels, _ = chat.encode_chat(messages, chat.TEMPLATES["zephyr"], tok, False, tools)
+        assert row["input_ids"][: len(ids)].tolist() == ids and row["labels"][: len(ids)].tolist() == labels
+        assert int(row["attention_mask"].sum()) == len(ids)
+
+
 BAD_ROWS = [
     ({"text": "no messages"}, "has no 'messages'"),
     ({"messages": [{"role": "bot", "content": "hi"}]}, "message 0 has role 'bot'"),
@@ -312,9 +343,12 @@ BAD_ROWS = [
     ({"messages": TOOL_USE, "tools": [{"type": "function"}]}, "not a list of function schemas with names"),
     ({"prompt": [ASK], "completion": "Two."}, "'prompt' is list, 'completion' str"),
     ({"prompt": [ASK], "completion": [{"role": "user", "content": "?"}]}, "no assistant turn in 'completion'"),
+    ({"conversations": [{"from": "bot", "value": "hi"}]}, "message 0 has role 'bot'"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "{oops"}]}, "'{oops'"),
 ]
 BAD_IDS = ["no-messages", "role", "content", "empty", "no-assistant", "call-by-user", "call-name", "arguments"]
 BAD_IDS += ["no-content", "tools-json", "tools-names", "mixed-prompt-completion", "completion-no-assistant"]
+BAD_IDS += ["sharegpt-from", "sharegpt-call"]
 
 
 @pytest.mark.parametrize("row,message", BAD_ROWS, ids=BAD_IDS)
