@@ -174,9 +174,10 @@ def _messages_problem(messages: list) -> tuple[str, str] | None:
         calls = message.get("tool_calls")
         if calls is not None and (problem := _calls_problem(n, role, calls)):
             return problem
-        if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
-            got = _short(message.get("content"))
-            return f"message {n} ({role}) has content {got}, not text", "write each content as a string"
+        content = message.get("content")
+        if not (isinstance(content, str) or _text_parts(content) or (calls and content is None)):
+            fix = 'write each content as a string (or a list of {"type": "text", "text": ...} parts)'
+            return f"message {n} ({role}) has content {_short(content)}, not text", fix
     return None
 
 
@@ -257,12 +258,24 @@ def _call(call: dict[str, Any]) -> dict[str, Any]:
     return {**out, "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
+def _text_parts(content) -> bool:
+    """Whether `content` is a list of text parts (OpenAI's and multimodal templates' form), which trains as their
+    text joined: every template takes a string, not every one takes parts."""
+    return (
+        isinstance(content, list)
+        and bool(content)
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    )
+
+
 def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """As apply_chat_template normalises them: keys whose value is None (columns other rows have) are dropped; tool
-    calls in one shape, and the content of an assistant turn that only calls tools empty text."""
+    calls in one shape, text parts joined, and the content of an assistant turn that only calls tools empty text."""
     out = []
     for message in messages:
         message = {k: v for k, v in message.items() if v is not None}
+        if _text_parts(message.get("content")):
+            message["content"] = "".join(part["text"] for part in message["content"])
         if message.get("tool_calls"):
             message = {"content": "", **message, "tool_calls": [_call(c) for c in message["tool_calls"]]}
         out.append(message)

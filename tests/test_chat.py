@@ -298,6 +298,27 @@ def test_conversational_prompt_completion_trains_on_the_completion_only(tok, tmp
     assert '"name": "get_score", "description"' in tok.decode(ids[:first_target])  # the schema, before the call
 
 
+def test_text_parts_train_as_their_joined_text(tok):
+    """Content as a list of text parts (OpenAI's form) renders as the joined text (parquet's null 'image' keys
+    of other rows' parts dropped); any other part is refused."""
+    parts = [
+        {
+            **m,
+            "content": [
+                {"type": "text", "text": m["content"][:3], "image": None},
+                {"type": "text", "text": m["content"][3:]},
+            ],
+        }
+        for m in CONVERSATION
+    ]
+    zephyr = chat.TEMPLATES["zephyr"]
+    assert chat.encode_chat(parts, zephyr, tok, False) == chat.encode_chat(CONVERSATION, zephyr, tok, False)
+    assert chat.row_problem({"messages": parts}, "chat") is None
+    image = [{"type": "image", "image": "x.png"}]
+    problem = chat.row_problem({"messages": [{"role": "user", "content": image}, CONVERSATION[2]]}, "chat")
+    assert problem and "has content [{'type': 'image'" in problem[0], problem
+
+
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
 
 
