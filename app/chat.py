@@ -293,8 +293,8 @@ def turns_of(row: dict[str, Any]) -> tuple[str, Any]:
 def _role_content(message):
     """A ShareGPT turn ({from, value}) as {role, content} (a function_call as an assistant turn's tool call); any
     other as it is."""
-    if not isinstance(message, dict) or "from" not in message or "role" in message:
-        return message
+    if not isinstance(message, dict) or message.get("from") is None or message.get("role") is not None:
+        return message  # (a column mixing both forms has both keys, one of them null)
     rest = {k: v for k, v in message.items() if k not in ("from", "value")}
     speaker, value = message["from"], message.get("value")
     if speaker != "function_call":
