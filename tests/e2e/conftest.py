@@ -22,6 +22,7 @@ from e2e.node import Node
 _ids = itertools.count()
 
 
+@pytest.hookimpl(trylast=True)  # after tests/conftest.py's longest-first order, which would undo this one
 def pytest_collection_modifyitems(items):
     """Tests marked before_node stage leftovers of a node on the host: they run before the session's node starts
     (a stable sort keeps every other test's order)."""
