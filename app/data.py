@@ -710,6 +710,33 @@ def make_loader(
     )
 
 
+class EvalShard(torch.utils.data.Dataset):
+    """This rank's share of the whole eval split: ceil(n / world) samples on every rank, so that all ranks run as
+    many forward passes (ZeRO-3 gathers parameters in lockstep). The few samples that wrap around to fill the last
+    shares carry no labels, so no sample counts twice; a split smaller than world x micro-batch is still
+    evaluated (the training loader's drop_last would give it no batch at all)."""
+
+    def __init__(self, dataset, world: int, rank: int):
+        self.dataset, self.n = dataset, len(dataset)
+        self.positions = list(range(rank, -(-self.n // world) * world, world))
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        position = self.positions[i]
+        sample = self.dataset[position % self.n]
+        if position >= self.n:
+            sample = {**sample, "labels": torch.full_like(sample["labels"], -100)}
+        return sample
+
+
+def make_eval_loader(dataset, micro_batch: int, world: int, rank: int, collate_fn=None) -> DataLoader:
+    shard = EvalShard(dataset, world, rank)
+    pin = torch.cuda.is_available()
+    return DataLoader(shard, batch_size=micro_batch, shuffle=False, collate_fn=collate_fn, pin_memory=pin)
+
+
 class LoaderClock:
     """Host time spent blocked on the data loader: an upper bound on how long the GPU waited for data."""
 

@@ -88,8 +88,8 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             window.add(loss, tokens)
             if step % t.log_every_steps == 0 or step == policy.total_steps:
                 last = {"loss": window.report(engine, step, epoch, t, world, metrics)}
-            if evaluator.due(step):
-                last["eval_loss"] = evaluator.run(step)
+            if evaluator.due(step) and (eval_loss := evaluator.run(step)) is not None:
+                last["eval_loss"] = eval_loss
             # Asked to stop (a SIGTERM, the notice file) on any rank? Then every rank saves this step and stops.
             preempted = checkpoints.exchange(preempt) and step < policy.total_steps
             if checkpoints.due(step, step_in_epoch, preempted) and guard.healthy:  # never save weights NaN touched
@@ -411,11 +411,10 @@ class Evaluator:
         every = self.cfg.train.eval_every_steps
         return bool(every and step % every == 0 and self.batches.eval_set is not None)
 
-    def run(self, step: int) -> float:
-        engine, t = self.engine, self.cfg.train
-        loader = data.make_loader(
-            self.batches.eval_set, t.micro_batch_size, self.world, self.rank, False, 0, 0, self.batches.collate
-        )
+    def run(self, step: int) -> float | None:
+        """The loss; None, with a warning, when the eval split holds no target token."""
+        engine, t, eval_set = self.engine, self.cfg.train, self.batches.eval_set
+        loader = data.make_eval_loader(eval_set, t.micro_batch_size, self.world, self.rank, self.batches.collate)
         engine.eval()
         totals = torch.zeros(2, device=engine.device)
         with torch.no_grad():
@@ -424,10 +423,18 @@ class Evaluator:
                     break
                 batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 n = (batch["labels"][:, 1:] != -100).sum()
-                totals += torch.stack([engine(**batch).loss.float() * n, n.float()])
+                loss = engine(**batch).loss.float()  # a batch without targets (EvalShard's wrap-around): NaN
+                totals += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])
         engine.train()
         dist.all_reduce(totals)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
+        if totals[1] == 0:
+            if self.rank == 0:
+                log.warning(
+                    f"eval at step {step}: the eval split ({len(eval_set):,} sequences) holds no target token, so "
+                    "there is no eval loss; give it more rows (data.eval_fraction, data.eval_split)"
+                )
+            return None
+        loss = (totals[0] / totals[1]).item()
         if self.metrics:
             self.metrics.eval(step, loss)
         return loss

@@ -73,6 +73,20 @@ def test_sampler_resumes_at_the_exact_sample(tiny_model):
     assert list(other_epoch) != order
 
 
+@pytest.mark.parametrize("n,world,micro", [(5, 2, 4), (3, 4, 2), (8, 2, 4), (0, 2, 4)])
+def test_eval_covers_the_whole_split_once_with_as_many_batches_on_every_rank(n, world, micro):
+    """Every eval sample's labels count exactly once over the ranks, every rank runs as many batches (ZeRO-3's
+    gathers), and a split smaller than world x micro-batch still gives batches (drop_last gave it none: 5
+    conversations on 2 workers of micro-batch 4 reported an eval loss of 0.0)."""
+    rows = [{"input_ids": torch.full((4,), i), "labels": torch.full((4,), i)} for i in range(n)]
+    loaders = [list(data.make_eval_loader(rows, micro, world, rank)) for rank in range(world)]
+    assert len({len(batches) for batches in loaders}) == 1 and (n == 0 or len(loaders[0]) >= 1)
+    counted = sorted(
+        int(label) for batches in loaders for batch in batches for label in batch["labels"][:, 0] if label != -100
+    )
+    assert counted == list(range(n))
+
+
 def test_cache_key_changes_with_what_shapes_the_data():
     a = DataConfig(dataset="x", seq_length=64)
     assert data.cache_key(a, "tok", "train", 1) == data.cache_key(
