@@ -531,9 +531,10 @@ def tokenize(raw, tokenizer, cfg, fmt: str, locate: Callable[[int], str], num_pr
     cut = sum(encoded["cut"])
     kept = encoded.filter(lambda batch: [bool(x) for x in batch["input_ids"]], batched=True, desc="drop too long")
     if cut or len(kept) < len(encoded):
+        dropped = len(encoded) - len(kept)
         log.warning(
-            f"of {len(encoded):,} conversations longer than data.seq_length={seq}: {cut:,} truncated at a turn "
-            f"boundary, {len(encoded) - len(kept):,} dropped (not even their first assistant turn fits)"
+            f"{cut + dropped:,} of {len(encoded):,} conversations are longer than data.seq_length={seq}: {cut:,} "
+            f"truncated at a turn boundary, {dropped:,} dropped (not even their first target turn fits)"
         )
     kept = kept.remove_columns("cut")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
