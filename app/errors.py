@@ -19,7 +19,9 @@ class Problem(Exception):
         return type(self), (self.field, self.value, self.message, self.fix)
 
     def __str__(self) -> str:
-        text = f"{self.field}: {self.message} (got {_short(self.value)})"
+        # A string value is most often where the problem is (a path, a file and its line): cut only when very long.
+        got = _short(self.value, 400 if isinstance(self.value, str) else 80)
+        text = f"{self.field}: {self.message} (got {got})"
         return f"{text}. Fix: {self.fix}" if self.fix else text
 
 
@@ -34,9 +36,9 @@ class ConfigError(Exception):
         return type(self), (self.problems,)
 
 
-def _short(value: Any) -> str:
+def _short(value: Any, limit: int = 80) -> str:
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def seconds(text: str) -> float:
