@@ -18,15 +18,15 @@ $(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt re
 	  "$(PYTHON) is $$($(PYTHON) -V 2>&1): run make PYTHON=python3.11 (or newer)" >&2; exit 2; }
 	@command -v c++ >/dev/null || { echo "error: no C++ compiler (c++): DeepSpeed builds its CPU ops with one on first use;" \
 	  "install g++ (Debian/Ubuntu: apt-get install g++)" >&2; exit 2; }
-	@echo "==> install 1/4: virtual environment $(VENV) and pip"
+	@echo "==> install 1/5: virtual environment $(VENV) and pip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@echo "==> install 2/4: $(TORCH_CPU) (the largest download; 1-2 min)"
+	@echo "==> install 2/5: $(TORCH_CPU) (the largest download; 1-2 min)"
 	$(PY) -m pip install -q $(TORCH_CPU)
-	@echo "==> install 3/4: Ray, DeepSpeed, transformers and the rest from requirements.lock, helm and kubectl (1-2 min)"
+	@echo "==> install 3/5: Ray, DeepSpeed, transformers and the rest from requirements.lock, helm and kubectl (1-2 min)"
 	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
 	$(PY) tools/k8s_tools.py
-	@echo "==> install 4/4: checkov (make test's policy checks) and the MLflow server (its tracking tests), each in a venv of its own"
+	@echo "==> install 4/5: checkov (make test's policy checks) and the MLflow server (its tracking tests), each in a venv of its own"
 	# checkov in a venv of its own: its pins (packaging, networkx, ...) conflict with requirements.lock.
 	test -x $(VENV)/tools/checkov/bin/python || $(PYTHON) -m venv $(VENV)/tools/checkov
 	$(VENV)/tools/checkov/bin/pip install -q -r requirements-checkov.txt
@@ -34,6 +34,10 @@ $(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt re
 	# The full mlflow (the server) pins pyarrow and python-dateutil below requirements.lock's.
 	test -x $(VENV)/tools/mlflow/bin/python || $(PYTHON) -m venv $(VENV)/tools/mlflow
 	$(VENV)/tools/mlflow/bin/pip install -q -r requirements-mlflow.txt
+	@echo "==> install 5/5: DeepSpeed's shared-memory collectives for CPU workers (compiled once per machine, 1-2 min)"
+	# Built now rather than in the first run's workers (every CPU run loads it; kept in ~/.cache/torch_extensions),
+	# as the image builds it (Dockerfile, step 4).
+	DS_ACCELERATOR=cpu $(PY) -m app.opbuild deepspeed_shm_comm
 	touch $@
 	@echo "==> installed: finetune, helm and kubectl are in $(BIN)/ (add it to PATH, or source $(BIN)/activate)"
 

@@ -147,3 +147,48 @@ def prepare(cpu_workers: bool, offloaded_optimizer: bool, announce: bool) -> Non
                 log.warning(moved)
         if announce and not (folder / f"{name}.so").exists():
             log.info(f"building {JIT_OPS[name]}: once per machine, cached in {folder.parent}")
+
+
+def build(name: str) -> Path:
+    """Compiles op `name` into torch's extension cache now (what DeepSpeed would do at a run's first use);
+    returns its build folder. Loading an op that is up to date only checks it."""
+    from deepspeed.accelerator import get_accelerator
+
+    builders = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
+    use_this_environments_ninja()
+    folder = build_folder(name)
+    if folder.is_dir():
+        clear_stale_lock(folder)
+    get_accelerator().create_op_builder(builders[name]).load(verbose=False)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m app.opbuild",
+        description="Build DeepSpeed's just-in-time ops into torch's extension cache ahead of the first run "
+        "(make setup builds the CPU workers' collectives), so no run waits for a compiler.",
+    )
+    parser.add_argument(
+        "ops",
+        nargs="*",
+        default=None,
+        metavar="OP",
+        help=f"ops to build, of {', '.join(sorted(JIT_OPS))} (default: deepspeed_shm_comm)",
+    )
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.ops if name not in JIT_OPS]
+    if unknown:
+        parser.error(f"unknown op {unknown[0]!r}; the ops are {', '.join(sorted(JIT_OPS))}")
+    logging.basicConfig(level=logging.ERROR)
+    for name in args.ops or ["deepspeed_shm_comm"]:
+        started = time.perf_counter()
+        folder = build(name)
+        print(f"{JIT_OPS[name].split(' (')[0]}: ready in {folder} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

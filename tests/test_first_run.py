@@ -340,3 +340,11 @@ def test_export_takes_an_experiment_folder_and_never_overwrites_silently(quiet_r
     not_one = run_cli("export", str(storage), str(tmp_path / "other"))  # the storage root is no experiment
     assert not_one.returncode == 2 and "nor an experiment folder with a complete checkpoint" in not_one.stderr
     assert not (tmp_path / "other").exists()
+
+
+def test_opbuild_names_the_ops_it_knows_when_given_another(capsys):
+    """`python -m app.opbuild` (make setup's last step) refuses an unknown op with the list, exit 2."""
+    with pytest.raises(SystemExit) as exited:
+        opbuild.main(["shm"])
+    assert exited.value.code == 2
+    assert "unknown op 'shm'; the ops are cpu_adam, deepspeed_shm_comm" in capsys.readouterr().err
