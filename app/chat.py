@@ -62,12 +62,78 @@ def _layout(opening, end: str) -> str:
     )
 
 
-# For base models whose tokenizer has no template. Both mark the assistant turns with generation blocks.
+# Qwen3's template with the assistant turns in generation blocks: it renders every conversation as Qwen3's own
+# does (checked against it, text for text), whose answers cannot be found turn by turn: an answer's think block is
+# shown only after the last user query, and there only on the last answer or one with reasoning, so a turn renders
+# differently once more follows. render_chat takes the masks from it wherever its text equals the tokenizer's own.
+_QWEN3_TOOLS = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+_QWEN3_CALLS = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n"
+)
+QWEN3 = (
+    """{%- if tools %}{{- '<|im_start|>system\\n' }}
+  {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+  {{- '"""
+    + _QWEN3_TOOLS
+    + """' }}
+  {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+  {{- '"""
+    + _QWEN3_CALLS
+    + """' }}
+{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query=messages | length - 1, in_tool_round=true) %}
+{%- for message in messages[::-1] %}
+  {%- if ns.in_tool_round and message.role == 'user' and message.content is string
+      and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+    {%- set ns.in_tool_round = false %}{%- set ns.last_query = messages | length - 1 - loop.index0 %}
+  {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+  {%- set content = message.content if message.content is string else '' %}
+  {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+    {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+  {%- elif message.role == 'assistant' %}
+    {%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+    {%- if message.reasoning_content is not string and '</think>' in content %}
+      {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+      {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+    {%- endif %}
+    {{- '<|im_start|>assistant\\n' }}{% generation %}
+    {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+      {{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+    {%- else %}{{- content }}{%- endif %}
+    {%- for call in message.tool_calls or [] %}
+      {%- if content or not loop.first %}{{- '\\n' }}{%- endif %}
+      {%- set arguments = call.function.arguments %}
+      {{- '<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
+      {{- (arguments if arguments is string else arguments | tojson) + '}\\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}
+  {%- elif message.role == 'tool' %}
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+    {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+  {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}"""
+)
+
+# For base models whose tokenizer has no template, and for Qwen3 (qwen3_template_swapped). Each marks the
+# assistant turns with generation blocks.
 TEMPLATES = {
     # ChatML (Qwen, many instruct models): needs <|im_start|> and <|im_end|> to be tokens of the tokenizer.
     "chatml": _layout(lambda role: f"'<|im_start|>' + {role} + '\n'", "'<|im_end|>'"),
     # Zephyr's layout: every turn ends with the tokenizer's EOS, so it fits any base model's vocabulary.
     "zephyr": _layout(lambda role: f"'<|' + {role} + '|>\n'", "eos_token"),
+    "qwen3": QWEN3,
 }
 
 
@@ -342,18 +408,15 @@ def render_chat(messages, template: str, tokenizer, tools=None, first_target: in
         if GENERATION.search(template):
             text, spans = _render(messages, template, tokenizer, tools, with_spans=True)
         else:
-            text, spans = _render(messages, template, tokenizer, tools)[0], []
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                before = _render(messages[:i], template, tokenizer, tools, add_generation_prompt=True)[0]
-                through = _render(messages[: i + 1], template, tokenizer, tools)[0]
-                if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-                    raise TemplateError(
-                        "it renders a conversation's first turns differently from the whole conversation, so the "
-                        "assistant turns cannot be found; mark them with {% generation %} blocks"
-                    )
-                spans.append((len(before), len(through)))
+            text = _render(messages, template, tokenizer, tools)[0]
+            spans = _turn_by_turn(messages, template, tokenizer, tools, text)
+            if spans is None:
+                spans = _spans_of_the_same_text(messages, tokenizer, tools, text)
+            if spans is None:
+                raise TemplateError(
+                    "it renders a conversation's first turns differently from the whole conversation, so the "
+                    "assistant turns cannot be found; mark them with {% generation %} blocks"
+                )
     except TemplateError:
         raise
     except Exception as exc:  # noqa: BLE001 - Jinja's errors, and raise_exception() calls in the template
@@ -368,6 +431,34 @@ def render_chat(messages, template: str, tokenizer, tools=None, first_target: in
             )
         spans = [span for span, i in zip(spans, turns) if i >= first_target]
     return text, [(lo, lo + len(text[lo:hi].rstrip())) for lo, hi in spans if text[lo:hi].strip()]
+
+
+def _turn_by_turn(messages, template: str, tokenizer, tools, text: str) -> list[tuple[int, int]] | None:
+    """The assistant turns' spans in `text`, each found by rendering the conversation up to the turn's prompt and
+    through the turn; None when a turn renders differently once more follows (Qwen3's think blocks)."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(messages[:i], template, tokenizer, tools, add_generation_prompt=True)[0]
+        through = _render(messages[: i + 1], template, tokenizer, tools)[0]
+        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            return None
+        spans.append((len(before), len(through)))
+    return spans
+
+
+def _spans_of_the_same_text(messages, tokenizer, tools, text: str) -> list[tuple[int, int]] | None:
+    """The generation blocks' spans of a shipped template that renders this conversation as `text`, character for
+    character (qwen3 does, for Qwen3's own template): its masks are then the masks of the tokenizer's template."""
+    for shipped in TEMPLATES.values():
+        try:
+            rendered, spans = _render(messages, shipped, tokenizer, tools, with_spans=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render this conversation is not the one
+            continue
+        if rendered == text:
+            return spans
+    return None
 
 
 def _check_tools_rendered(text: str, messages: list[dict[str, Any]], tools: list | None) -> None:

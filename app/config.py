@@ -172,8 +172,8 @@ class DataConfig(Section):
     )
     chat_template: str | None = Field(
         None,
-        description="Jinja chat template, or the name of one shipped with the app (chatml, zephyr) for base models "
-        "whose tokenizer has none; null: the tokenizer's own.",
+        description="Jinja chat template, or the name of one shipped with the app (chatml, zephyr, qwen3) for base "
+        "models whose tokenizer has none; null: the tokenizer's own.",
     )
     train_on_prompt: bool = Field(
         False,

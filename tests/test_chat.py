@@ -225,6 +225,54 @@ def test_tool_calls_are_targets_and_tool_results_and_schemas_are_not(tok, templa
     assert [ids[e - 1] for e in ends] == [tok.eos_token_id] * 2
 
 
+# Qwen3's own template has no generation blocks, and renders an answer's think block only after the last user
+# query (on the last answer, or one with reasoning): this is it (the shipped qwen3 without its blocks renders every
+# conversation as Qwen3's template does, text for text).
+PLAIN_QWEN3 = chat.TEMPLATES["qwen3"].replace("{% generation %}", "").replace("{% endgeneration %}", "")
+QWEN3_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Who won?"},
+    {"role": "assistant", "content": "<think>\nThe log says home.\n</think>\n\nThe home team."},
+    {"role": "user", "content": "Score?"},
+    {"role": "assistant", "content": None, "tool_calls": [call("get_score", {"team": "home"})]},
+    {"role": "tool", "content": "2-1"},
+    {"role": "assistant", "content": "Two to one.", "reasoning_content": "From the tool."},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(tiny_model):
+    """The tiny tokenizer with Qwen3's turn markers as special tokens."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+@pytest.mark.parametrize("template", [PLAIN_QWEN3, "qwen3"], ids=["qwen3s-own", "shipped-qwen3"])
+def test_qwen3_conversations_train_on_each_answer_as_qwen3_renders_it(qwen_tok, template):
+    """Qwen3's template shows an earlier answer without its reasoning and the last with it, so its turns cannot be
+    found one by one; the masks then come from the shipped qwen3, whose text is the same."""
+    template = chat.TEMPLATES.get(template, template)
+    assert chat._turn_by_turn(chat._plain(QWEN3_TURNS), PLAIN_QWEN3, qwen_tok, chat._tools(TOOLS), "") is None
+    ids, labels, ends = chat.encode_chat(QWEN3_TURNS, template, qwen_tok, False, TOOLS)
+    assert ids == qwen_tok.apply_chat_template(QWEN3_TURNS, tools=TOOLS, chat_template=PLAIN_QWEN3)["input_ids"]
+    seen = runs(qwen_tok, ids, labels)
+    assert [text for text, target in seen if target] == [
+        "The home team.<|im_end|>",
+        '<tool_call>\n{"name": "get_score", "arguments": {"team": "home"}}\n</tool_call><|im_end|>',
+        "<think>\nFrom the tool.\n</think>\n\nTwo to one.<|im_end|>",
+    ]
+    assert "# Tools" in seen[0][0] and "<think>\nThe log says home." not in qwen_tok.decode(ids)
+    assert len(ends) == 3
+
+
+def test_a_template_that_renders_turns_differently_and_like_no_shipped_one_is_refused(qwen_tok):
+    almost_qwen3 = PLAIN_QWEN3.replace("</think>\\n\\n", "</think>\\n")
+    assert almost_qwen3 != PLAIN_QWEN3
+    with pytest.raises(chat.TemplateError, match="renders a conversation's first turns differently"):
+        chat.encode_chat(QWEN3_TURNS, almost_qwen3, qwen_tok, False, TOOLS)
+
+
 def test_tool_rows_from_parquet_render_as_written(tok, tmp_path, tiny_model):
     """A parquet file (the hub's format) gives every row's arguments and schemas the keys of all rows, the missing
     ones null (and orders an object's keys as the first row that has them: the rows here share one order): the
