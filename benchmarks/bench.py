@@ -747,6 +747,30 @@ def suite_nosync() -> list[Case]:
     return [fp8, *per_step, a, b, *again, profiled(dataclasses.replace(fp8, name=fp8.name + "-prof"))]
 
 
+def suite_fusedmlp() -> list[Case]:
+    """The full-parameter chat FP8 case with each SwiGLU MLP as one compiled function (app.model.fuse_fp8_mlps:
+    one host call, gate and up sharing the input's cast) and, its lever alone, with the three projections one by
+    one: first on the machine (its kernels compiled and cached), then 20 steps timed one by one of each, and TRL."""
+    from app.model import FUSED_MLP_ENV
+
+    fp8, trl = suite_full1b()[:2]
+    per_step = [dataclasses.replace(c, name=c.name + "-20", steps=20) for c in (fp8, trl)]
+    separate = dataclasses.replace(per_step[0], name=fp8.name + "-separate-20", env={**fp8.env, FUSED_MLP_ENV: "0"})
+    return [fp8, separate, per_step[0], per_step[1]]
+
+
+def suite_fusedmlp8b() -> list[Case]:
+    """fusedmlp's lever on the 8B full-parameter chat FP8 case (the MLP and q/o projections FP8): fused first on
+    the machine (so it, not the other, pays for compiling the kernels both share), the projections one by one,
+    then TRL; 8 timed steps each."""
+    from app.model import FUSED_MLP_ENV
+
+    _, trl, fp8 = suite_full8b()
+    fused = dataclasses.replace(fp8, steps=8)
+    separate = dataclasses.replace(fused, name=fp8.name + "-separate", env={**fp8.env, FUSED_MLP_ENV: "0"})
+    return [fused, separate, dataclasses.replace(trl, steps=8)]
+
+
 def suite_warm8b() -> list[Case]:
     """The 8B full-parameter chat FP8 case of full8b, first on the machine (its Triton and torch.compile kernels
     compiled mid-run, as its slow fourth step was) and again with them cached under the storage root, then TRL;
@@ -857,6 +881,8 @@ SUITES = {
     "step4c": suite_step4c,
     "warm": suite_warm,
     "nosync": suite_nosync,
+    "fusedmlp": suite_fusedmlp,
+    "fusedmlp8b": suite_fusedmlp8b,
     "warm8b": suite_warm8b,
     "peer2": suite_peer2,
     "explore": suite_explore,

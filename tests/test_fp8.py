@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -74,6 +75,53 @@ def test_fp8_trains_like_bf16(tmp_path):
     assert fp8 != bf16  # not vacuous: the matmuls did run in FP8
 
 
+def _loss_and_grads(model, ids):
+    model(input_ids=ids, labels=ids).loss.backward()
+    return model(input_ids=ids, labels=ids).loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def liger_swiglu(mlp, x):
+    """What Liger's SwiGLU MLP computes on GPUs (silu(gate) * up in fp32, rounded once), through the modules."""
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    return mlp.down_proj((torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype))
+
+
+def test_fused_mlps_compute_what_their_layers_compute(tmp_path, monkeypatch):
+    """Each MLP of FP8 projections runs as one function (one host call, the input's cast shared): the same loss and
+    gradients, to the bit, as its three FP8 layers and Liger's activation one by one (eager on the CPU)."""
+    from app.model import FUSED_MLP_ENV
+
+    ids = torch.randint(1, 96, (2, 32), generator=torch.Generator().manual_seed(2))
+    fused = tiny_llama(tmp_path, fp8=True)
+    assert all("forward" in vars(layer.mlp) for layer in fused.model.layers)
+    monkeypatch.setenv(FUSED_MLP_ENV, "0")
+    separate = tiny_llama(tmp_path, fp8=True)
+    assert not any("forward" in vars(layer.mlp) for layer in separate.model.layers)
+    for layer in separate.model.layers:
+        layer.mlp.forward = functools.partial(liger_swiglu, layer.mlp)
+    (loss_a, grads_a), (loss_b, grads_b) = _loss_and_grads(fused, ids), _loss_and_grads(separate, ids)
+    assert torch.equal(loss_a, loss_b)
+    for name, grad in grads_b.items():
+        assert torch.equal(grads_a[name], grad), name
+
+
+def test_a_fused_mlp_whose_projections_lora_wraps_runs_its_own_forward(tmp_path):
+    """LoRA wraps the projections after the MLPs were fused: the adapters must be in the computation (the fused
+    function would read the base weights alone), so the MLP runs its own forward, and the adapters get gradients."""
+    from app import lora
+    from app.config import LoraConfig
+
+    model = lora.wrap(tiny_llama(tmp_path, fp8=True), LoraConfig(r=4, alpha=8, dropout=0.0), str(tmp_path))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # PEFT starts B at zero: the adapters' effect (and A's gradient) would be zero
+    ids = torch.randint(1, 96, (2, 32), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    mlp_adapters = {n: p.grad for n, p in model.named_parameters() if "mlp" in n and "lora_A" in n}
+    assert len(mlp_adapters) == 2 * 3 and all(g is not None and g.abs().sum() > 0 for g in mlp_adapters.values())
+
+
 def test_fp8_refuses_a_model_with_nothing_to_convert(tiny_model):
     # GPT-2's projections are Conv1D, not Linear: FP8 would change nothing, so say so rather than run bf16.
     with pytest.raises(Problem, match="model.fp8.*Conv1D.*set model.fp8=false"):
@@ -105,8 +153,13 @@ def test_compiled_casts_compute_what_eager_casts_compute(tmp_path):
     for model in (eager, compiled):
         model(input_ids=ids, labels=ids).loss.backward()
     torch.testing.assert_close(compiled(input_ids=ids, labels=ids).loss, eager(input_ids=ids, labels=ids).loss)
+    # Not to the bit: the compiled MLP's activation backward rounds differently from eager autograd's, and the
+    # gradients' FP8 casts (3 bits of mantissa) turn a one-ulp difference into a step of the FP8 grid. A wrong
+    # cast, scale or transposition would leave the gradients unrelated (cosine near 0), not this close.
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, msg=name)
+        a, b = a.grad.float().flatten(), b.grad.float().flatten()
+        assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99, name
+        assert abs(b.norm() / a.norm() - 1) < 0.02, name
 
 
 def test_the_compiled_path_keeps_the_layers_biases(monkeypatch):
