@@ -266,6 +266,21 @@ def test_qwen3_conversations_train_on_each_answer_as_qwen3_renders_it(qwen_tok, 
     assert len(ends) == 3
 
 
+def test_a_qwen3_tokenizers_own_template_passes_the_checks_and_tokenizes(qwen_tok, tmp_path):
+    """A Qwen3 model's data as a run sees it: the tokenizer's own template (data.chat_template unset), checked on
+    the sampled rows before the cluster, then tokenized with the same labels as encode_chat's."""
+    import copy
+
+    own = copy.deepcopy(qwen_tok)
+    own.chat_template = PLAIN_QWEN3
+    rows = [{"messages": QWEN3_TURNS, "tools": json.dumps(TOOLS)}, {"messages": CONVERSATION[:3]}]
+    assert chat.sample_problems(DataConfig(dataset="x"), "chat", [("line 1", r) for r in rows], lambda: own) == []
+    cfg, out = tokenized(own, tmp_path, rows, packing=False, seq_length=1024)
+    for row, tokens in zip(rows, out):
+        ids, labels, _ = chat.encode_chat(row["messages"], PLAIN_QWEN3, own, False, row.get("tools"))
+        assert tokens["input_ids"][: len(ids)].tolist() == ids and tokens["labels"][: len(ids)].tolist() == labels
+
+
 def test_a_template_that_renders_turns_differently_and_like_no_shipped_one_is_refused(qwen_tok):
     almost_qwen3 = PLAIN_QWEN3.replace("</think>\\n\\n", "</think>\\n")
     assert almost_qwen3 != PLAIN_QWEN3
