@@ -10,10 +10,10 @@ Ray's own worker-side functions, but it imports them, and torch with them, only 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import ray
-from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.util import TrainingFramework
 
@@ -58,7 +58,7 @@ class ProcessGroupBackend(Backend):
     share_cuda_visible_devices: bool = True  # every worker of a node sees the node's GPUs, as under TorchConfig
 
     def on_start(self, worker_group, backend_config: ProcessGroupConfig):
-        addr, port = worker_group.execute_single(0, get_address_and_port)
+        addr, port = worker_group.execute_single(0, _reserve_port)
         worker_group.execute(_set_env, addr=addr, port=port)
         ray.get(
             [
@@ -91,6 +91,20 @@ class ProcessGroupBackend(Backend):
 
 
 # Run in the workers (pickled by reference to this module): torch and Ray's torch helpers are imported there.
+_reserved: socket.socket | None = None  # rank 0's: the group's port, held until the group's store listens on it
+
+
+def _reserve_port() -> tuple[str, int]:
+    """Rank 0: this node's address and a free port, kept bound until _init_group. Ray's own helper releases the
+    port at once, and until rank 0's store listened on it, seconds later, any process of the node could take it
+    (seen in the unit suite: EADDRINUSE, the run failed)."""
+    global _reserved
+    addr = ray.util.get_node_ip_address()
+    _reserved = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    _reserved.bind(("", 0))
+    return addr, _reserved.getsockname()[1]
+
+
 def _set_env(addr: str, port: int) -> None:
     from ray.train.torch.config import _set_torch_distributed_env_vars
 
@@ -101,6 +115,10 @@ def _set_env(addr: str, port: int) -> None:
 def _init_group(backend: str, world_rank: int, world_size: int, timeout_s: int) -> None:
     from ray.train.torch.config import _setup_torch_process_group
 
+    global _reserved
+    if _reserved is not None:  # rank 0: the store binds the port next
+        _reserved.close()
+        _reserved = None
     _setup_torch_process_group(backend, world_rank, world_size, "env://", timeout_s)
 
 

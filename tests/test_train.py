@@ -233,3 +233,27 @@ def test_ray_trains_controller_gets_a_backend_config_without_torch():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_groups_port_stays_taken_until_the_group_listens_on_it(monkeypatch):
+    """Rank 0 keeps the port it hands the other workers bound until its process group's store takes it: no other
+    process of the node can take it in between (Ray's helper released it at once: EADDRINUSE, seen in the suite)."""
+    import ray.train.torch.config as torch_config
+
+    from app import ray_backend
+
+    addr, port = ray_backend._reserve_port()
+    taken = []
+    monkeypatch.setattr(torch_config, "_setup_torch_process_group", lambda *a: taken.append(_bind(port)))
+    with pytest.raises(OSError):
+        _bind(port)  # another process's socket: refused while reserved
+    ray_backend._init_group("gloo", 0, 1, 10)
+    assert taken == [True] and ray_backend._reserved is None and addr
+
+
+def _bind(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", port))
+        return True
