@@ -126,8 +126,8 @@ QWEN3 = (
 {%- endif %}"""
 )
 
-# For base models whose tokenizer has no template, and for Qwen3 (qwen3_template_swapped). Each marks the
-# assistant turns with generation blocks.
+# For base models whose tokenizer has no template, and for templates whose turns cannot be found one by one
+# (_spans_of_the_same_text). Each marks the assistant turns with generation blocks.
 TEMPLATES = {
     # ChatML (Qwen, many instruct models): needs <|im_start|> and <|im_end|> to be tokens of the tokenizer.
     "chatml": _layout(lambda role: f"'<|im_start|>' + {role} + '\n'", "'<|im_end|>'"),

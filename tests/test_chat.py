@@ -253,7 +253,12 @@ def test_qwen3_conversations_train_on_each_answer_as_qwen3_renders_it(qwen_tok, 
     """Qwen3's template shows an earlier answer without its reasoning and the last with it, so its turns cannot be
     found one by one; the masks then come from the shipped qwen3, whose text is the same."""
     template = chat.TEMPLATES.get(template, template)
-    assert chat._turn_by_turn(chat._plain(QWEN3_TURNS), PLAIN_QWEN3, qwen_tok, chat._tools(TOOLS), "") is None
+    plain, tools = chat._plain(QWEN3_TURNS), chat._tools(TOOLS)
+    own_text = chat._render(plain, PLAIN_QWEN3, qwen_tok, tools)[0]
+    assert chat._turn_by_turn(plain, PLAIN_QWEN3, qwen_tok, tools, own_text) is None  # the first answer differs
+    assert chat._turn_by_turn(
+        plain[:3], PLAIN_QWEN3, qwen_tok, tools, chat._render(plain[:3], PLAIN_QWEN3, qwen_tok, tools)[0]
+    )
     ids, labels, ends = chat.encode_chat(QWEN3_TURNS, template, qwen_tok, False, TOOLS)
     assert ids == qwen_tok.apply_chat_template(QWEN3_TURNS, tools=TOOLS, chat_template=PLAIN_QWEN3)["input_ids"]
     seen = runs(qwen_tok, ids, labels)
