@@ -125,3 +125,103 @@ def test_varlen_path_computes_what_the_block_mask_computes(monkeypatch, tmp_path
     # Without the boundaries (a model called outside the loop) it is plain causal attention.
     plain = {"input_ids": ids, "labels": ids}
     torch.testing.assert_close(per_token_losses(varlen, plain), per_token_losses(sdpa, plain))
+
+
+def test_with_targets_names_each_position_whose_next_token_is_a_target():
+    ids = torch.tensor([[5, 6, EOS, 7, 8, 9], [3, 4, 5, EOS, 2, 2]])
+    labels = ids.clone()
+    labels[0, [1, 4]] = -100  # prompt tokens: no loss
+    batch = data.with_targets(data.packed_batch(ids, labels, EOS))
+    joined = batch["labels"].flatten()
+    # Position p (of the rows joined) predicts the token after it in its own row, when that token is a target.
+    expected = [p for p in range(12) if p % 6 != 5 and joined[p + 1] != -100]
+    assert batch[data.TARGET_POSITIONS].tolist() == expected
+    assert batch[data.TARGET_LABELS].tolist() == [[joined[p + 1].item() for p in expected]]
+    assert 5 not in expected and 11 not in expected and 0 not in expected  # rows' last tokens; a prompt's token
+    # No target at all: nothing to keep, and the model computes the batch as before.
+    none = data.with_targets(data.packed_batch(ids, torch.full_like(ids, -100), EOS))
+    assert data.TARGET_POSITIONS not in none and data.model_inputs(none, targets_only=True, join_rows=True) == none
+
+
+def chat_batch(vocab: int, rows: int, seq: int) -> dict:
+    """A packed batch of conversations: targets only in the answers, about half the tokens."""
+    torch.manual_seed(1)
+    ids = torch.randint(1, vocab, (rows, seq))
+    ids[:, [seq // 3, seq - 1]] = EOS
+    labels = ids.clone()
+    for row in range(rows):
+        labels[row, : seq // 4] = -100  # the first prompt
+        labels[row, seq // 3 + 1 : seq // 2 + row] = -100  # the second conversation's prompt
+    return data.with_targets(data.packed_batch(ids, labels, EOS))
+
+
+def loss_and_grads(model, inputs: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch,rows", [("llama-varlen", 3), ("llama", 1), ("qwen2", 1), ("gpt2", 1), ("llama-lora", 1)])
+def test_the_loss_at_the_targets_only_is_the_whole_batchs(monkeypatch, tiny_model, tmp_path, arch, rows):
+    # The LM head and loss at the target positions only (the rows joined where attention keeps documents apart
+    # by the batch's boundaries): the same loss and gradients as the whole batch's, with fewer rows of logits.
+    from transformers import Qwen2Config
+
+    from app import attention
+    from app.model import model_input_options
+
+    if arch == "llama-varlen":
+        monkeypatch.setattr(attention, "_kernel", lambda: reference_varlen)
+        monkeypatch.setattr(attention, "available", lambda: True)
+    if arch == "qwen2":
+        Qwen2Config(
+            vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+        ).save_pretrained(tmp_path)  # fmt: skip
+        torch.manual_seed(0)
+        model = load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}"), {}, separate_documents=True)
+    elif arch == "llama-lora":
+        from app.config import LoraConfig
+
+        build("llama", tiny_model, 50, tmp_path)
+        lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+        model = load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}", lora=lora), {}, True)
+    else:
+        model = build(arch.removesuffix("-varlen"), tiny_model, 50, tmp_path)
+    model = model.float().eval()  # no dropout, so both passes compute the same function; gradients still flow
+    vocab = model.get_input_embeddings().num_embeddings
+    batch = chat_batch(min(vocab, 50), rows, 40)
+    options = model_input_options(model)
+    assert options == {"targets_only": True, "join_rows": arch == "llama-varlen"}
+    targets = data.model_inputs(batch, **options)
+    assert "logits_to_keep" in targets  # the path under test is taken
+    head_rows = []
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[:-1]))
+    whole_loss, whole = loss_and_grads(model, data.model_inputs(batch))
+    kept_loss, kept = loss_and_grads(model, targets)
+    handle.remove()
+    n = batch[data.TARGET_POSITIONS].numel()
+    assert head_rows == [torch.Size([rows, 40]), torch.Size([1, n])] and n < rows * 40 * 0.7
+    torch.testing.assert_close(kept_loss, whole_loss, rtol=1e-5, atol=1e-6)
+    assert kept.keys() == whole.keys() and len(kept) > 3
+    for name in whole:
+        torch.testing.assert_close(kept[name], whole[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_model_of_its_own_code_and_rows_that_would_attend_each_other_keep_the_whole_batch(tiny_model, tmp_path):
+    from app.model import model_input_options
+
+    model = build("llama", tiny_model, 50, tmp_path)
+    batch = chat_batch(50, 2, 40)
+    # Two rows under SDPA: joined, they would attend to each other; the whole batch it is.
+    assert "logits_to_keep" not in data.model_inputs(batch, **model_input_options(model))
+
+    class OwnCode(torch.nn.Module):  # trust_remote_code: a forward that may not take the positions
+        config = model.config
+
+        def forward(self, input_ids, labels=None, logits_to_keep=0, **kwargs):
+            raise AssertionError("not called")
+
+    assert model_input_options(OwnCode())["targets_only"] is False
