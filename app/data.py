@@ -672,56 +672,23 @@ def packed_batch(
     }
 
 
-# A packed batch's targets, for a model that computes its LM head and loss at given positions only (model_inputs).
-TARGET_POSITIONS, TARGET_LABELS = "target_positions", "target_labels"
-
-
-def with_targets(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch and, where it has any target, its targets over the rows joined into one: the positions whose next
-    token is a target (`TARGET_POSITIONS`) and those tokens (`TARGET_LABELS`). Found here, in the loader, where
-    the labels are still on the CPU: on the GPU, finding them would make the host wait for it at every step."""
-    labels = batch["labels"]
-    following = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1).flatten()
-    positions = (following != -100).nonzero().flatten()
-    if positions.numel() == 0:
-        return batch
-    return {**batch, TARGET_POSITIONS: positions, TARGET_LABELS: following[positions].unsqueeze(0)}
-
-
-def model_inputs(batch: dict[str, Any], targets_only: bool = False, join_rows: bool = False) -> dict[str, Any]:
-    """The model's keyword arguments for a collated batch. `targets_only` (a forward that takes `logits_to_keep`
-    positions and their `shift_labels`, app.model.targets_only_loss): the LM head and the loss at the target
-    positions only, which are the same loss and gradients with less work: no logits for a prompt's tokens. Rows
-    are joined into one (positions then index the joined row) where `join_rows`, i.e. where attention keeps
-    documents apart by the batch's document boundaries, which are already the joined row's; otherwise only a
-    one-row batch is computed so, since joining rows would let them attend to each other."""
-    inputs = {k: v for k, v in batch.items() if k not in (TARGET_POSITIONS, TARGET_LABELS)}
-    rows = batch["input_ids"].shape[0]
-    if not targets_only or TARGET_POSITIONS not in batch or (rows > 1 and not join_rows):
-        return inputs
-    joined = {k: inputs[k].reshape(1, -1) for k in ("input_ids", "labels", "position_ids")}
-    return {**inputs, **joined, "logits_to_keep": batch[TARGET_POSITIONS], "shift_labels": batch[TARGET_LABELS]}
-
-
 class PackedCollator:
-    """DataLoader collate_fn for packed blocks (a class, not a closure: loader worker processes pickle it).
-    `targets`: each batch also carries its targets (with_targets)."""
+    """DataLoader collate_fn for packed blocks (a class, not a closure: loader worker processes pickle it)."""
 
-    def __init__(self, eos_id: int, targets: bool = False):
-        self.eos_id, self.targets = eos_id, targets
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
 
     def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
         # Packed conversations (app.chat) carry their position ids: each conversation starts at 0.
         starts = torch.stack([r["position_ids"] for r in rows]) == 0 if "position_ids" in rows[0] else None
-        batch = packed_batch(
+        return packed_batch(
             torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows]), self.eos_id, starts
         )
-        return with_targets(batch) if self.targets else batch
 
 
-def collator(cfg: DataConfig, tokenizer, targets: bool = False) -> PackedCollator | None:
+def collator(cfg: DataConfig, tokenizer) -> PackedCollator | None:
     """The collate_fn for this data config: None (torch's default) unless packed documents are kept apart."""
-    return PackedCollator(tokenizer.eos_token_id, targets) if cfg.packing and cfg.separate_documents else None
+    return PackedCollator(tokenizer.eos_token_id) if cfg.packing and cfg.separate_documents else None
 
 
 def make_loader(

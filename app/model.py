@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import os
 from typing import Any
@@ -169,28 +168,6 @@ def load_model(
 
         model = lora.wrap(model, cfg.lora, path)
     return model
-
-
-LOSS_AT_TARGETS_ENV = "FINETUNE_LOSS_AT_TARGETS"  # "0": the LM head over every position (benchmarks' A/B)
-
-
-def model_input_options(model) -> dict[str, bool]:
-    """How app.data.model_inputs hands this model its batches: `targets_only` where its forward computes the LM
-    head and the loss at given positions (`logits_to_keep` as a tensor of positions, `shift_labels` their
-    targets: transformers' own causal-LM classes and Liger's replacements for them; a model's own code
-    (trust_remote_code) may not, so it keeps the whole batch); `join_rows` where attention keeps documents apart
-    by the batch's document boundaries (app.attention), so the rows can become one."""
-    from app import attention
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA, the wrapped model
-    forward = base.forward
-    origin = getattr(forward, "__module__", None) or ""
-    ours = origin.startswith(("transformers.models.", "liger_kernel.transformers.model."))
-    takes = "logits_to_keep" in inspect.signature(forward).parameters
-    return {
-        "targets_only": ours and takes and os.environ.get(LOSS_AT_TARGETS_ENV) != "0",
-        "join_rows": getattr(base.config, "_attn_implementation", None) == attention.VARLEN,
-    }
 
 
 def random_init_device(zero3: bool):

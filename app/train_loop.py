@@ -13,7 +13,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +25,7 @@ from app import checkpoint, data, faults, logs, lora, opbuild, preemption, profi
 from app.config import TrainConfig, TrainingConfig
 from app.ds_config import plain_bf16
 from app.metrics import MetricsLogger, flops_per_token
-from app.model import (
-    build_optimizer,
-    build_scheduler,
-    hidden_size,
-    load_model,
-    load_tokenizer,
-    model_input_options,
-)
+from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
 from app.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("finetune")
@@ -58,7 +51,6 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # Model and DeepSpeed engine.
     marks["data"] = time.time()
     model, engine = build_engine(cfg, ds_config, policy.total_steps, batches.collate is not None, marks)
-    inputs = functools.partial(data.model_inputs, **model_input_options(model))  # a batch -> the forward's kwargs
 
     # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
     # the newest older complete one), at the exact batch.
@@ -68,7 +60,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         log.info(f"starting {cfg.experiment.name} from scratch: {policy.total_steps} steps")
     metrics = start_metrics(model, cfg, policy.total_steps, position, world, marks) if rank == 0 else None
     window = Window(engine.device)
-    evaluator = Evaluator(engine, batches, inputs, cfg, world, rank, metrics)
+    evaluator = Evaluator(engine, batches, cfg, world, rank, metrics)
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
     preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
     hf_files = functools.partial(lora.save_files, model, tokenizer)
@@ -88,7 +80,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             break
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
         for step_in_epoch, micro_batches in batches.epoch(epoch, first, policy.steps_per_epoch, window.clock):
-            loss, tokens = train_step(engine, micro_batches, step + 1, profiler, inputs)
+            loss, tokens = train_step(engine, micro_batches, step + 1, profiler)
             step += 1
             checkpoints.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
@@ -195,20 +187,15 @@ def optimizer_steps(batches: Iterable[dict[str, Any]], accumulation: int) -> Ite
 
 
 def train_step(
-    engine,
-    micro_batches: list[dict[str, Any]],
-    step: int,
-    profiler: profiling.StepProfiler = profiling.OFF,
-    inputs: Callable[[dict[str, Any]], dict[str, Any]] = data.model_inputs,
+    engine, micro_batches: list[dict[str, Any]], step: int, profiler: profiling.StepProfiler = profiling.OFF
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them);
-    `inputs` makes a batch the forward's keyword arguments. Returns the summed micro-batch losses and the number
-    of tokens that counted in the loss."""
+    """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them).
+    Returns the summed micro-batch losses and the number of tokens that counted in the loss."""
     losses = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
     with profiler.step(step):
         for batch in micro_batches:
-            loss = faults.maybe_poison(engine(**inputs(batch)).loss, step)  # test-only NaN drill: off unless set
+            loss = faults.maybe_poison(engine(**batch).loss, step)  # test-only NaN drill: off unless set
             engine.backward(loss)
             engine.step()
             losses += loss.detach()
@@ -280,7 +267,7 @@ class Batches:
             rank,
             barrier=dist.barrier,
         )
-        collate = data.collator(cfg.data, tokenizer, targets=True)
+        collate = data.collator(cfg.data, tokenizer)
         loader = data.make_loader(
             train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate
         )
@@ -415,7 +402,6 @@ class Evaluator:
 
     engine: Any
     batches: Batches
-    inputs: Callable[[dict[str, Any]], dict[str, Any]]  # a batch -> the forward's kwargs (app.data.model_inputs)
     cfg: TrainingConfig
     world: int
     rank: int
@@ -437,9 +423,7 @@ class Evaluator:
                     break
                 batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 n = (batch["labels"][:, 1:] != -100).sum()
-                loss = engine(
-                    **self.inputs(batch)
-                ).loss.float()  # a batch without targets (EvalShard's wrap-around): NaN
+                loss = engine(**batch).loss.float()  # a batch without targets (EvalShard's wrap-around): NaN
                 totals += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])
         engine.train()
         dist.all_reduce(totals)

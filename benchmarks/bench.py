@@ -759,34 +759,6 @@ def suite_fusedmlp() -> list[Case]:
     return [fp8, separate, per_step[0], per_step[1]]
 
 
-def suite_targets() -> list[Case]:
-    """The LM head and loss at the target positions only (app.data.model_inputs; about 70% of the chat blocks'
-    positions are targets): the full-parameter chat FP8 case first on the machine (its kernels compiled), then 20
-    steps timed one by one of it, of the same with the LM head over every position (the lever alone), of the
-    pure-bf16 case without FP8 both ways, and of TRL. device_run.sh runs check_targets.py first."""
-    from app.model import LOSS_AT_TARGETS_ENV
-
-    fp8, trl = suite_full1b()[:2]
-    bf16 = chat_case("chat-l1b-full-z0-pure", "llama-1.1b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
-    cases = [dataclasses.replace(c, name=c.name + "-20", steps=20) for c in (fp8, bf16)]
-    every = [dataclasses.replace(c, name=c.name + "-every", env={**c.env, LOSS_AT_TARGETS_ENV: "0"}) for c in cases]
-    return [fp8, cases[0], every[0], cases[1], every[1], dataclasses.replace(trl, name=trl.name + "-20", steps=20)]
-
-
-def suite_targets_qwen() -> list[Case]:
-    """targets' lever where the LM head is a large part of the step: the Qwen2-0.5B shape (151,936 tokens of
-    vocabulary, hidden size 896: the head holds 136 M of its 494 M parameters), full-parameter chat, pure bf16 at
-    stage 0, first on the machine, then 20 steps timed with the head at the targets only and over every position,
-    and TRL."""
-    from app.model import LOSS_AT_TARGETS_ENV
-
-    app = chat_case("chat-q05-full-z0-pure", "qwen2-0.5b", 8, 0, False, sets=STAGE0, estimate=85, timeout=180)
-    trl = chat_case("trl-chat-q05-full-20", "qwen2-0.5b", 8, 3, False, runner="trl", estimate=45, timeout=180)
-    timed = dataclasses.replace(app, name=app.name + "-20", steps=20)
-    every = dataclasses.replace(timed, name=timed.name + "-every", env={**timed.env, LOSS_AT_TARGETS_ENV: "0"})
-    return [app, timed, every, dataclasses.replace(trl, steps=20)]
-
-
 def suite_fusedmlp8b() -> list[Case]:
     """fusedmlp's lever on the 8B full-parameter chat FP8 case (the MLP and q/o projections FP8): fused first on
     the machine (so it, not the other, pays for compiling the kernels both share), the projections one by one,
@@ -930,8 +902,6 @@ SUITES = {
     "ckpt-smoke": suite_ckpt_smoke,
     "fp8": suite_fp8,
     "chat": suite_chat,
-    "targets": suite_targets,
-    "targets-qwen": suite_targets_qwen,
     "chat-smoke": suite_chat_smoke,
     "chat-diag": suite_chat_diag,
     "chat-pure": suite_chat_pure,
