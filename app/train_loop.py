@@ -25,7 +25,7 @@ from app import checkpoint, data, faults, logs, lora, opbuild, preemption, profi
 from app.config import TrainConfig, TrainingConfig
 from app.ds_config import plain_bf16
 from app.metrics import MetricsLogger, flops_per_token
-from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer
+from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer, loss_options
 from app.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("finetune")
@@ -51,6 +51,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # Model and DeepSpeed engine.
     marks["data"] = time.time()
     model, engine = build_engine(cfg, ds_config, policy.total_steps, batches.collate is not None, marks)
+    options = loss_options(model, t.micro_batch_size * cfg.data.seq_length)
 
     # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
     # the newest older complete one), at the exact batch.
@@ -80,7 +81,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             break
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
         for step_in_epoch, micro_batches in batches.epoch(epoch, first, policy.steps_per_epoch, window.clock):
-            loss, tokens = train_step(engine, micro_batches, step + 1, profiler)
+            loss, tokens = train_step(engine, micro_batches, step + 1, profiler, options)
             step += 1
             checkpoints.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
@@ -187,15 +188,21 @@ def optimizer_steps(batches: Iterable[dict[str, Any]], accumulation: int) -> Ite
 
 
 def train_step(
-    engine, micro_batches: list[dict[str, Any]], step: int, profiler: profiling.StepProfiler = profiling.OFF
+    engine,
+    micro_batches: list[dict[str, Any]],
+    step: int,
+    profiler: profiling.StepProfiler = profiling.OFF,
+    options: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them).
-    Returns the summed micro-batch losses and the number of tokens that counted in the loss."""
+    """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them);
+    `options`: more keyword arguments for the forward (app.model.loss_options). Returns the summed micro-batch
+    losses and the number of tokens that counted in the loss."""
+    options = options or {}
     losses = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
     with profiler.step(step):
         for batch in micro_batches:
-            loss = faults.maybe_poison(engine(**batch).loss, step)  # test-only NaN drill: off unless set
+            loss = faults.maybe_poison(engine(**batch, **options).loss, step)  # test-only NaN drill: off unless set
             engine.backward(loss)
             engine.step()
             losses += loss.detach()

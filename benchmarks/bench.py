@@ -759,6 +759,37 @@ def suite_fusedmlp() -> list[Case]:
     return [fp8, separate, per_step[0], per_step[1]]
 
 
+def suite_qwenchat() -> list[Case]:
+    """The Qwen2-0.5B shape's full-parameter chat case (pure bf16, stage 0), which ran 0.94x TRL (docs/benchmarks.md,
+    2026-12-04): first on the machine, one step of it and of TRL profiled, then 20 timed steps of each."""
+    app = chat_case("chat-q05-full-z0-pure", "qwen2-0.5b", 8, 0, False, sets=STAGE0, estimate=60, timeout=180)
+    trl = chat_case("trl-chat-q05-full", "qwen2-0.5b", 8, 3, False, runner="trl", estimate=40, timeout=180)
+    timed = [dataclasses.replace(c, name=c.name + "-20", steps=20) for c in (app, trl)]
+    return [app, profiled(app, app.name + "-prof"), profiled(trl, trl.name + "-prof"), *timed]
+
+
+def suite_losschunk() -> list[Case]:
+    """Liger's fused loss in larger chunks (app.model.loss_options): the Qwen2-0.5B shape's chat case (128 chunks of
+    128 rows by Liger's own rule) first on the machine, then 20 timed steps with the app's chunks, with Liger's own
+    (the lever alone) and TRL; then the 1.1B chat pure-bf16 case both ways. device_run.sh runs
+    check_loss_chunks.py first."""
+    from app.model import LOSS_CHUNK_ENV
+
+    app, _, _, app20, trl20 = suite_qwenchat()
+    l1b = chat_case("chat-l1b-full-z0-pure-20", "llama-1.1b", 8, 0, False, sets=STAGE0, steps=20, estimate=75)
+    liger_own = [
+        dataclasses.replace(c, name=c.name + "-ligerchunks", env={**c.env, LOSS_CHUNK_ENV: "0"}) for c in (app20, l1b)
+    ]
+    return [app, app20, liger_own[0], trl20, l1b, liger_own[1]]
+
+
+def suite_losschunk2() -> list[Case]:
+    """losschunk's Qwen2-0.5B cases again on another machine, Liger's own chunks timed before the app's this time,
+    then TRL. device_run.sh runs check_loss_chunks.py first."""
+    app, app20, liger_own, trl20 = suite_losschunk()[:4]
+    return [app, liger_own, app20, trl20]
+
+
 def suite_fusedmlp8b() -> list[Case]:
     """fusedmlp's lever on the 8B full-parameter chat FP8 case (the MLP and q/o projections FP8): fused first on
     the machine (so it, not the other, pays for compiling the kernels both share), the projections one by one,
@@ -902,6 +933,9 @@ SUITES = {
     "ckpt-smoke": suite_ckpt_smoke,
     "fp8": suite_fp8,
     "chat": suite_chat,
+    "qwenchat": suite_qwenchat,
+    "losschunk": suite_losschunk,
+    "losschunk2": suite_losschunk2,
     "chat-smoke": suite_chat_smoke,
     "chat-diag": suite_chat_diag,
     "chat-pure": suite_chat_pure,

@@ -23,6 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 mkdir -p "$OUT/$suite"
 if [ "$suite" = peer ] || [ "$suite" = peer1 ]; then timeout 60 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
 case $suite${FP8_SHAPES_S:+-fp8shapes} in fp8*|*-fp8shapes) timeout 200 python3 -m benchmarks.fp8_shapes --out "$OUT/$suite/fp8_shapes.json" --deadline-s "${FP8_SHAPES_S:-150}";; esac
+if [ "${suite%2}" = losschunk ]; then timeout 120 python3 -m benchmarks.check_loss_chunks --out "$OUT/$suite/check_loss_chunks.json"; fi
 if [ "$suite" = pin1 ]; then timeout 150 python3 -m benchmarks.pin_stall --out "$OUT/$suite/pin_stall.json"; fi
 if [ "$suite" = start ]; then timeout 90 python3 -m benchmarks.import_profile --out "$OUT/$suite/imports.json"; fi
 python3 -m benchmarks.bench --suite "$suite" --out "$OUT/$suite" --deadline-s "$deadline" ${only:+--only "$only"}

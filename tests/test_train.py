@@ -257,3 +257,77 @@ def _bind(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", port))
         return True
+
+
+def liger_stand_in(monkeypatch, takes_bound: bool = True) -> None:
+    """Liger's modules as far as app.model.loss_options reads them (the CPU test venv has no Liger: it pulls
+    Triton; benchmarks/check_loss_chunks.py runs the real one on a GPU)."""
+    import sys
+    import types
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    ops = types.ModuleType("liger_kernel.ops.fused_linear_cross_entropy")
+    if takes_bound:
+        functional.liger_fused_linear_cross_entropy = lambda input, weight, target, chunk_mem_const=1: None
+    else:  # an older Liger, without the parameter
+        functional.liger_fused_linear_cross_entropy = lambda input, weight, target: None
+    ops.LigerFusedLinearCrossEntropyFunction = type("F", (), {"supports_inner_impl_dispatch": takes_bound})
+    for name in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, functional.__name__, functional)
+    monkeypatch.setitem(sys.modules, ops.__name__, ops)
+
+
+def model_with_forward_of(module: str, hidden: int, lora: bool = False):
+    def forward(self, **kwargs):
+        return kwargs
+
+    forward.__module__ = module
+    config = type("Config", (), {"hidden_size": hidden})()
+    model = type("Model", (), {"forward": forward, "config": config})()
+    if lora:  # PEFT's wrapper: the forward that computes the loss is the wrapped model's
+        return type("Peft", (), {"get_base_model": lambda self: model, "forward": lambda self, **kw: kw})()
+    return model
+
+
+def test_ligers_fused_loss_gets_chunks_of_a_bounded_size_not_many_small_ones(monkeypatch):
+    from app.model import LOSS_CHUNK_ENV, loss_options
+
+    liger = "liger_kernel.transformers.model.qwen2"
+    liger_stand_in(monkeypatch)
+    # The Qwen2-0.5B shape at 8 x 2048 tokens: Liger's own bound (1) made 128 chunks of 128 rows; 9 makes 16 of 1024.
+    assert loss_options(model_with_forward_of(liger, 896), 16384) == {"chunk_mem_const": 9}
+    assert loss_options(model_with_forward_of(liger, 2048), 16384) == {"chunk_mem_const": 4}
+    assert loss_options(model_with_forward_of(liger, 896, lora=True), 16384) == {"chunk_mem_const": 9}
+    assert loss_options(model_with_forward_of(liger, 8192), 32768) == {"chunk_mem_const": 1}  # never below Liger's
+    # Not Liger's loss, a Liger without the bound, or the benchmarks' A/B switch: the forward gets nothing more.
+    assert loss_options(model_with_forward_of("transformers.models.qwen2.modeling_qwen2", 896), 16384) == {}
+    monkeypatch.setenv(LOSS_CHUNK_ENV, "0")
+    assert loss_options(model_with_forward_of(liger, 896), 16384) == {}
+    monkeypatch.delenv(LOSS_CHUNK_ENV)
+    liger_stand_in(monkeypatch, takes_bound=False)
+    assert loss_options(model_with_forward_of(liger, 896), 16384) == {}
+
+
+def test_the_train_step_hands_the_loss_options_to_every_forward():
+    from app.train_loop import train_step
+
+    seen = []
+
+    class Engine:
+        device = torch.device("cpu")
+
+        def __call__(self, **kwargs):
+            seen.append(kwargs)
+            return type("Out", (), {"loss": torch.tensor(1.0)})()
+
+        def backward(self, loss):
+            pass
+
+        def step(self):
+            pass
+
+    labels = torch.tensor([[-100, 5, 6]])
+    batches = [{"input_ids": labels.abs(), "labels": labels}] * 2
+    loss, tokens = train_step(Engine(), batches, 1, options={"chunk_mem_const": 9})
+    assert [s["chunk_mem_const"] for s in seen] == [9, 9] and loss.item() == 2.0 and tokens.item() == 4
