@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -222,23 +223,36 @@ def split_problems(cfg: TrainingConfig) -> list[Problem]:
 
 
 def _selected(field: str, spec: str, sizes: dict[str, int]) -> tuple[int | None, list[Problem]]:
-    """(rows `spec` selects, problems), by `datasets`' own parser of split expressions."""
+    """(rows `spec` selects, problems), by `datasets`' own parser of split expressions. A plain split name is
+    looked up here: importing `datasets` (a second of the driver's start-up on the CPU machine, before Ray
+    starts) is needed only for slices and sums."""
+    if re.fullmatch(r"\w+(\.\w+)*", spec):  # datasets' own rule for a split's name
+        rows, error = sizes.get(spec), None if spec in sizes else "Unknown split"
+    else:
+        rows, error = _rows_of_expression(spec, sizes)
+    if error is not None:
+        if error.startswith("Unknown split"):
+            return None, [Problem(field, spec, f"no such split; the data has {sorted(sizes)}", "use one of them")]
+        return None, [
+            Problem(
+                field, spec, f"is not a split expression ({error})", "write e.g. train, train[:90%] or train[:1000]"
+            )
+        ]
+    if rows == 0:
+        counts = ", ".join(f"{name}: {n:,} rows" for name, n in sorted(sizes.items()))
+        return 0, [Problem(field, spec, f"selects no row ({counts})", "select a non-empty range, e.g. train[:50%]")]
+    return rows, []
+
+
+def _rows_of_expression(spec: str, sizes: dict[str, int]) -> tuple[int | None, str | None]:
+    """(rows, None) or (None, datasets' error's first line)."""
     from datasets.arrow_reader import ReadInstruction
 
     try:
         parts = ReadInstruction.from_spec(spec).to_absolute(sizes)
     except (ValueError, AssertionError, KeyError) as exc:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if text.startswith("Unknown split"):
-            return None, [Problem(field, spec, f"no such split; the data has {sorted(sizes)}", "use one of them")]
-        return None, [
-            Problem(field, spec, f"is not a split expression ({text})", "write e.g. train, train[:90%] or train[:1000]")
-        ]
-    rows = sum(max(0, p.to - p.from_) for p in parts)
-    if rows == 0:
-        counts = ", ".join(f"{name}: {n:,} rows" for name, n in sorted(sizes.items()))
-        return 0, [Problem(field, spec, f"selects no row ({counts})", "select a non-empty range, e.g. train[:50%]")]
-    return rows, []
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return sum(max(0, p.to - p.from_) for p in parts), None
 
 
 def split_sizes(cfg: TrainingConfig) -> dict[str, int] | None:

@@ -589,3 +589,24 @@ def test_a_killed_worker_beyond_max_failures_ends_the_run_in_one_line(tmp_path, 
     killed_at = (tmp_path / "killed" / ".fault-killed-step-2").stat().st_mtime
     assert ended - killed_at < 60, f"{ended - killed_at:.0f}s from the kill to the end"
     assert not (tmp_path / "killed" / ".lease").exists()
+
+
+@pytest.mark.parametrize("spec", ["train", "validation", "train.v2", "test"])
+def test_a_plain_split_name_is_judged_as_datasets_judges_it_without_importing_it(spec):
+    # The driver checks the split before Ray starts; importing datasets for a plain name cost a second there.
+    import subprocess
+    import sys
+
+    sizes = {"train": 7, "train.v2": 3, "test": 0}
+    code = (
+        "import sys; from app import preflight; "
+        f"r = preflight._selected('data.split', {spec!r}, {sizes!r}); print(repr((r[0], [p.fix for p in r[1]])), "
+        "'datasets' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == "False"
+    rows, problems = preflight._selected("data.split", spec, sizes)
+    # What datasets' own parser of split expressions makes of the same name.
+    parsed, error = preflight._rows_of_expression(spec, sizes)
+    assert rows == parsed and (error is None) == (spec in sizes)
+    assert bool(problems) == (spec not in sizes or sizes[spec] == 0)
