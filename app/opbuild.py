@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger("finetune")
 
@@ -20,10 +21,19 @@ log = logging.getLogger("finetune")
 # build that holds it is dead (or hung). A compile step on 2 busy cores takes at most a few minutes.
 STALE_AFTER_S = 600.0
 POLL_S = 2.0
-# Op name -> what it is and how long its first build takes on 2 CPU cores (measured: 60-100 s for the shm op).
+
+
+class JitOp(NamedTuple):
+    what: str
+    first_build: str  # on 2 CPU cores (measured: 60-100 s for the shm op)
+    builder: str  # DeepSpeed's op builder class
+
+
 JIT_OPS = {
-    "deepspeed_shm_comm": "DeepSpeed's shared-memory collectives for CPU workers (about 1-2 min)",
-    "cpu_adam": "DeepSpeed's CPU Adam for the offloaded optimizer (about 1-3 min)",
+    "deepspeed_shm_comm": JitOp(
+        "DeepSpeed's shared-memory collectives for CPU workers", "1-2 min", "ShareMemCommBuilder"
+    ),
+    "cpu_adam": JitOp("DeepSpeed's CPU Adam for the offloaded optimizer", "1-3 min", "CPUAdamBuilder"),
 }
 
 
@@ -146,7 +156,8 @@ def prepare(cpu_workers: bool, offloaded_optimizer: bool, announce: bool) -> Non
             if moved:
                 log.warning(moved)
         if announce and not (folder / f"{name}.so").exists():
-            log.info(f"building {JIT_OPS[name]}: once per machine, cached in {folder.parent}")
+            op = JIT_OPS[name]
+            log.info(f"building {op.what} (about {op.first_build}): once per machine, cached in {folder.parent}")
 
 
 def build(name: str) -> Path:
@@ -154,12 +165,11 @@ def build(name: str) -> Path:
     returns its build folder. Loading an op that is up to date only checks it."""
     from deepspeed.accelerator import get_accelerator
 
-    builders = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
     use_this_environments_ninja()
     folder = build_folder(name)
     if folder.is_dir():
         clear_stale_lock(folder)
-    get_accelerator().create_op_builder(builders[name]).load(verbose=False)
+    get_accelerator().create_op_builder(JIT_OPS[name].builder).load(verbose=False)
     return folder
 
 
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.ops or ["deepspeed_shm_comm"]:
         started = time.perf_counter()
         folder = build(name)
-        print(f"{JIT_OPS[name].split(' (')[0]}: ready in {folder} ({time.perf_counter() - started:.0f} s)")
+        print(f"{JIT_OPS[name].what}: ready in {folder} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 
