@@ -790,6 +790,23 @@ def suite_losschunk2() -> list[Case]:
     return [app, liger_own, app20, trl20]
 
 
+def suite_features() -> list[Case]:
+    """GPT-2 packed on one GPU, its attention dropout (0.1) now given to FlashAttention's varlen kernel, beside the
+    same case with every dropout off (what the kernel's dropout costs); then start1 (the 1.1B ZeRO-3 text case
+    tokenizing, Trainer + Liger, the case again: start-up). device_run.sh runs check_varlen.py first: the kernel's
+    sliding window and dropout against SDPA."""
+    one = {"scaling.num_workers": 1}
+    dropout = gpt2("gpt2-z2-mb16-1gpu", 16, 2, sets=one)
+    no_dropout = gpt2("gpt2-z2-mb16-1gpu-nodropout", 16, 2, sets={**one, "model.dropout": 0.0})
+    return [dropout, no_dropout, *suite_start1()]
+
+
+def suite_warm2() -> list[Case]:
+    """Start-up with each side's compile cache warm: warm's text pair, each side twice (the app first, tokenizing
+    the corpus). device_run.sh runs check_varlen.py first."""
+    return suite_warm()[:4]
+
+
 def suite_fusedmlp8b() -> list[Case]:
     """fusedmlp's lever on the 8B full-parameter chat FP8 case (the MLP and q/o projections FP8): fused first on
     the machine (so it, not the other, pays for compiling the kernels both share), the projections one by one,
@@ -914,6 +931,8 @@ SUITES = {
     "nosync": suite_nosync,
     "fusedmlp": suite_fusedmlp,
     "fusedmlp8b": suite_fusedmlp8b,
+    "features": suite_features,
+    "warm2": suite_warm2,
     "warm8b": suite_warm8b,
     "peer2": suite_peer2,
     "explore": suite_explore,

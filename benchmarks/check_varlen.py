@@ -10,6 +10,13 @@ computes, and what do the three ways of attending cost at the 1.1B shape? One JS
    cross-document packing; FlashAttention's and cuDNN's), varlen FlashAttention-2 per document (PyTorch's op and
    its public wrapper), FlashAttention-4 (where flash-attn-4 is importable), cuDNN's varlen op, and SDPA with a
    block-diagonal mask.
+3. The kernel's window and dropout (app.attention hands it a layer's sliding window and attention dropout): at that
+   shape with a 256-token window, output and gradients against SDPA with the block mask and the window; with
+   dropout 0.1, the same output for the same seed, its mean over seeds against the output without dropout, and the
+   gradient of V against the change of the output for a change of V (the output is linear in V for one dropout
+   draw, so a backward pass that dropped other weights than its forward would not match); and a small Mistral
+   with a 64-token window, built by load_model both ways, per-token losses compared; a small Gemma 2 (soft-capped
+   attention logits, which the kernel lacks: the varlen path runs its eager attention) against its eager model.
 """
 
 from __future__ import annotations
@@ -24,28 +31,34 @@ import torch
 import torch.nn.functional as F
 
 
-def losses_match() -> dict:
-    from transformers import LlamaConfig
+def losses_match(model_type: str = "llama", reference_attn: str = "sdpa", **settings) -> dict:
+    """Per-token losses of a small `model_type` built by load_model with the varlen path and with `reference_attn`
+    (transformers' own mask from the per-document position ids), same weights, same packed batch."""
+    from transformers import AutoConfig
 
     from app import attention, data
     from app.config import ModelConfig
     from app.model import load_model
 
     folder = tempfile.mkdtemp()
-    LlamaConfig(
+    AutoConfig.for_model(
+        model_type,
         vocab_size=1000,
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=2,
+        head_dim=32,
         max_position_embeddings=1024,
         dtype="bfloat16",
+        **settings,
     ).save_pretrained(folder)
     cfg = ModelConfig(name_or_path=f"random-init:{folder}", liger_kernels=False)
     torch.manual_seed(0)
     varlen = load_model(cfg, {}, separate_documents=True).cuda().bfloat16().eval()
-    sdpa = load_model(cfg, {}, separate_documents=False).cuda().bfloat16().eval()
+    reference = cfg.model_copy(update={"attn_implementation": reference_attn})
+    sdpa = load_model(reference, {}, separate_documents=False).cuda().bfloat16().eval()
     sdpa.load_state_dict(varlen.state_dict())
     ids = torch.randint(1, 1000, (4, 512))
     for row in range(4):
@@ -184,12 +197,90 @@ def attention_costs() -> dict:
     return out
 
 
+def kernel_features() -> dict:
+    """The aten kernel's window and dropout at the 1.1B's attention shape (module docstring, 3)."""
+    from app import attention
+    from benchmarks import assets
+
+    b, s, h, kv, d, window, p = 16, 2048, 32, 4, 64, 255, 0.1
+    rng = np.random.default_rng(0)
+    lens = assets.LENGTHS["docs"].sample(rng, 4000) * 4  # documents longer than the window
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    starts = starts[starts < b * s].tolist()
+    # Every row starts a document, as the loader's blocks do.
+    cu_list = sorted(set(starts) | set(range(0, b * s, s))) + [b * s]
+    cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+    longest = int(max(np.diff(cu_list)))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b * s, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for n in (h, kv, kv))
+    grad = torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16)
+    kernel = attention.KERNELS["aten"]
+
+    def forward_backward(window_=None, dropout=0.0, seed=0, value=None):
+        torch.manual_seed(seed)
+        for t in (q, k, v):
+            t.grad = None
+        out = kernel(q, k, v if value is None else value, cu, cu, longest, longest, d**-0.5, window_, dropout)
+        out.backward(grad)
+        return out.detach().float(), [t.grad.float() if t.grad is not None else None for t in (q, k, v)]
+
+    # Reference: SDPA over (rows, heads, seq, seq) with the block mask and the window.
+    position = torch.arange(b * s, device="cuda")
+    doc = torch.searchsorted(cu.long(), position, right=True).view(b, s)
+    i = torch.arange(s, device="cuda")
+    back = i[:, None] - i[None, :]
+    mask = (doc[:, None, :, None] == doc[:, None, None, :]) & (back >= 0) & (back <= window)
+    qr, kr, vr = (t.detach().view(b, s, -1, d).transpose(1, 2).requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    ref.backward(grad.view(b, s, h, d))
+    ref_all = [ref.detach().float().reshape(b * s, h, d)] + [
+        t.grad.float().transpose(1, 2).reshape(b * s, -1, d) for t in (qr, kr, vr)
+    ]
+    got_out, got_grads = forward_backward(window)
+    out = {"window": window, "docs": len(cu_list) - 1, "longest_doc": longest}
+    out["window_rel_err_out_dq_dk_dv"] = [
+        round(float((a - r).norm() / r.norm()), 5) for a, r in zip([got_out, *got_grads], ref_all)
+    ]
+    full_out, _ = forward_backward(None)
+    out["window_changes_output_rel"] = round(float((full_out - got_out).norm() / full_out.norm()), 4)
+    out["ms_fwd_bwd_full_vs_window"] = [
+        round(timed(lambda: forward_backward(None)), 3),
+        round(timed(lambda: forward_backward(window)), 3),
+    ]
+
+    # Dropout: deterministic for a seed, unbiased, and the backward drops what the forward dropped.
+    a, ga = forward_backward(None, p, seed=1)
+    a2, ga2 = forward_backward(None, p, seed=1)
+    out["dropout_same_seed_same_output"] = bool(torch.equal(a, a2))
+    # FlashAttention-2's backward adds into dq atomically, so gradients differ in their last bits between calls.
+    out["dropout_same_seed_grad_rel_diff"] = [round(float((x - y).norm() / y.norm()), 5) for x, y in zip(ga, ga2)]
+    out["dropout_changes_output_rel"] = round(float((a - full_out).norm() / full_out.norm()), 4)
+    draws = 64
+    mean = sum(forward_backward(None, p, seed=100 + n)[0] for n in range(draws)) / draws
+    out[f"dropout_mean_of_{draws}_vs_no_dropout_rel"] = round(float((mean - full_out).norm() / full_out.norm()), 4)
+    dv = torch.randn_like(v) * 0.1
+    moved, _ = forward_backward(None, p, seed=1, value=(v + dv).detach().requires_grad_())
+    change = float((grad.float() * (moved - a)).sum())  # <grad, out(v + dv) - out(v)>, exact for one draw
+    predicted = float((dv.float() * ga[2]).sum())  # <dv, dL/dv>
+    out["dropout_dv_change_vs_gradient"] = [round(change, 3), round(predicted, 3)]
+    out["dropout_dv_rel_err"] = round(abs(change - predicted) / abs(predicted), 4)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out")
     args = p.parse_args()
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    for name, fn in (("losses", losses_match), ("attention", attention_costs)):
+    checks = (
+        ("losses", losses_match),
+        ("losses_sliding_window", lambda: losses_match("mistral", sliding_window=64)),
+        # Soft-capped attention logits: the varlen path runs Gemma 2's eager attention over the documents' mask.
+        ("losses_gemma2_softcap", lambda: losses_match("gemma2", "eager", sliding_window=64)),
+        ("attention", attention_costs),
+        ("kernel_window_dropout", kernel_features),
+    )
+    for name, fn in checks:
         try:
             result[name] = fn()
         except Exception as exc:  # noqa: BLE001

@@ -21,7 +21,7 @@ cd "$G/tree" || exit 1
 export PYTHONPATH=$PWD/benchmarks/image_env:$PWD:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 mkdir -p "$OUT/$suite"
-if [ "$suite" = peer ] || [ "$suite" = peer1 ]; then timeout 60 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
+if [ "$suite" = peer ] || [ "$suite" = peer1 ] || [ "$suite" = features ] || [ "$suite" = warm2 ]; then timeout 150 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
 case $suite${FP8_SHAPES_S:+-fp8shapes} in fp8*|*-fp8shapes) timeout 200 python3 -m benchmarks.fp8_shapes --out "$OUT/$suite/fp8_shapes.json" --deadline-s "${FP8_SHAPES_S:-150}";; esac
 if [ "${suite%2}" = losschunk ]; then timeout 120 python3 -m benchmarks.check_loss_chunks --out "$OUT/$suite/check_loss_chunks.json"; fi
 if [ "$suite" = pin1 ]; then timeout 150 python3 -m benchmarks.pin_stall --out "$OUT/$suite/pin_stall.json"; fi

@@ -96,32 +96,138 @@ def test_packed_losses_equal_each_document_run_alone(tiny_model, tmp_path, arch)
     assert not torch.allclose(across.nan_to_num(), packed.nan_to_num(), atol=1e-3)
 
 
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """What FlashAttention's causal varlen kernel computes, one document at a time with SDPA (CPU stand-in)."""
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None, dropout=0.0):
+    """What FlashAttention's causal varlen kernel computes, one document at a time with SDPA (CPU stand-in); with
+    `window`, a token sees itself and the `window` tokens before it."""
+    assert dropout == 0.0, "the stand-in has no dropout"
     out = torch.empty_like(q)
     for lo, hi in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         seg = [t[lo:hi].transpose(0, 1) for t in (q, k, v)]
-        out[lo:hi] = F.scaled_dot_product_attention(*seg, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+        i = torch.arange(hi - lo)
+        seen = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= (window if window is not None else hi))
+        out[lo:hi] = F.scaled_dot_product_attention(*seg, attn_mask=seen, scale=scale, enable_gqa=True).transpose(0, 1)
     return out
+
+
+def packed_ids(vocab: int, rows: int = 3, seq: int = 40) -> dict:
+    torch.manual_seed(1)
+    ids = torch.randint(3, vocab, (rows, seq))
+    ids[0, [5, 17, 30]] = EOS
+    ids[2, [0, 39]] = EOS
+    return data.packed_batch(ids, ids.clone(), EOS)
+
+
+def varlen_twin(monkeypatch, reference, config, kernel=reference_varlen):
+    """The model `config` describes as load_model builds it on a GPU (app.attention, its CUDA kernel replaced by
+    `kernel`), with `reference`'s weights."""
+    from app import attention
+
+    monkeypatch.setattr(attention, "_kernel", lambda: kernel)
+    monkeypatch.setattr(attention, "available", lambda: True)
+    varlen = load_model(ModelConfig(name_or_path=f"random-init:{config}"), {}, separate_documents=True).eval()
+    assert varlen.config._attn_implementation == attention.VARLEN
+    varlen.load_state_dict(reference.state_dict())
+    return varlen
 
 
 def test_varlen_path_computes_what_the_block_mask_computes(monkeypatch, tmp_path):
     # The GPU path's own code (layouts, GQA's fewer K/V heads, the batch's boundaries), with the CUDA kernel replaced
     # by a per-document reference: the model's logits equal those of SDPA with transformers' block mask.
-    from app import attention
-
     sdpa = build("llama", None, 50, tmp_path).eval()
     assert sdpa.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(attention, "_kernel", lambda: reference_varlen)
-    monkeypatch.setattr(attention, "available", lambda: True)
-    varlen = load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}"), {}, separate_documents=True).eval()
-    assert varlen.config._attn_implementation == attention.VARLEN
-    varlen.load_state_dict(sdpa.state_dict())
-    ids = torch.randint(1, 50, (3, 40))
-    ids[0, [5, 17, 30]] = EOS
-    ids[2, [0, 39]] = EOS
-    batch = data.packed_batch(ids, ids.clone(), EOS)
+    varlen = varlen_twin(monkeypatch, sdpa, tmp_path)
+    batch = packed_ids(50)
     torch.testing.assert_close(per_token_losses(varlen, batch), per_token_losses(sdpa, batch), equal_nan=True)
     # Without the boundaries (a model called outside the loop) it is plain causal attention.
-    plain = {"input_ids": ids, "labels": ids}
+    plain = {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
     torch.testing.assert_close(per_token_losses(varlen, plain), per_token_losses(sdpa, plain))
+
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+TINY_IDS = {"num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_config(model_type: str, folder, attn: str = "sdpa", **settings):
+    """A random-init model of `model_type` written to `folder`, built by load_model with `attn`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, vocab_size=50, **TINY, **TINY_IDS, **settings)
+    config.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = ModelConfig(name_or_path=f"random-init:{folder}", attn_implementation=attn)
+    return load_model(cfg, {}, separate_documents=True)
+
+
+def test_varlen_path_keeps_the_sliding_window(monkeypatch, tmp_path):
+    # Mistral attends within a sliding window of 6 tokens, shorter than the documents: transformers' SDPA applies
+    # it through its mask, the varlen kernel through its left window. Without it the losses differ (not vacuous).
+    sdpa = tiny_config("mistral", tmp_path, sliding_window=6).eval()
+    varlen = varlen_twin(monkeypatch, sdpa, tmp_path)
+    batch = packed_ids(50)
+    expected = per_token_losses(sdpa, batch)
+    torch.testing.assert_close(per_token_losses(varlen, batch), expected, equal_nan=True)
+    plain = {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+    torch.testing.assert_close(per_token_losses(varlen, plain), per_token_losses(sdpa, plain))
+    monkeypatch.setattr("app.attention._kernel", lambda: lambda *args: reference_varlen(*args[:8]))  # no window
+    assert not torch.allclose(per_token_losses(varlen, batch).nan_to_num(), expected.nan_to_num(), atol=1e-3)
+
+
+def test_varlen_path_runs_eager_attention_for_what_the_kernel_lacks(monkeypatch, tmp_path, caplog):
+    # Gemma 2 soft-caps its attention logits (and slides a window on every other layer): FlashAttention-2's varlen
+    # kernel has no soft-capping, so such layers run the model's eager attention over the batch's documents,
+    # which equals transformers' own eager attention with its packed-sequence mask. The kernel is never called.
+    eager = tiny_config("gemma2", tmp_path, "eager", sliding_window=6, attn_logit_softcapping=0.002).eval()
+    assert eager.config._attn_implementation == "eager"
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the varlen kernel ran a soft-capped layer")
+
+    varlen = varlen_twin(monkeypatch, eager, tmp_path, kernel=no_kernel)
+    batch = packed_ids(50)
+    with caplog.at_level("WARNING", logger="finetune"):
+        got = per_token_losses(varlen, batch)
+    torch.testing.assert_close(got, per_token_losses(eager, batch), equal_nan=True)
+    assert "asks for softcap" in caplog.text
+    # Not vacuous: without the cap the same weights give other losses.
+    varlen.config.attn_logit_softcapping = None
+    for layer in varlen.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    monkeypatch.setattr("app.attention._kernel", lambda: reference_varlen)
+    assert not torch.allclose(per_token_losses(varlen, batch).nan_to_num(), got.nan_to_num(), atol=1e-3)
+
+
+def test_varlen_path_hands_attention_dropout_to_the_kernel(monkeypatch, tiny_model):
+    # GPT-2 drops 10% of its attention weights in training: the kernel (PyTorch's FlashAttention-2) gets that rate
+    # rather than silently training without it; in eval mode it gets none.
+    from app import attention
+
+    rates = []
+
+    def recording(*args):
+        rates.append(args[9])  # (q, k, v, cu_q, cu_k, max_q, max_k, scale, window, dropout)
+        return reference_varlen(*args[:9])
+
+    monkeypatch.setattr(attention, "_aten_varlen", recording)
+    monkeypatch.setattr(attention, "_kernel", lambda: recording)
+    monkeypatch.setattr(attention, "available", lambda: True)
+    model = load_model(ModelConfig(name_or_path=str(tiny_model)), {}, separate_documents=True)
+    batch = packed_ids(model.config.vocab_size)
+    model.train()
+    model(**{k: v for k, v in batch.items() if k != "labels"})
+    model.eval()
+    model(**{k: v for k, v in batch.items() if k != "labels"})
+    layers = model.config.n_layer
+    assert rates == [model.config.attn_pdrop] * layers + [0.0] * layers and model.config.attn_pdrop > 0
+
+
+def test_document_mask_sees_own_earlier_tokens_within_the_window():
+    from app.attention import document_mask
+
+    cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)  # rows of 4: documents [0, 3), [3, 4); [4, 8)
+    seen = document_mask(cu, 2, 4, None, torch.float32) == 0
+    assert seen[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    assert seen[1, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    windowed = document_mask(cu, 2, 4, 1, torch.float32) == 0
+    assert windowed[1, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    both_ways = document_mask(cu, 2, 4, 1, torch.float32, causal=False) == 0  # a non-causal layer's
+    assert both_ways[0, 0].int().tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 0], [0, 0, 0, 1]]
