@@ -807,6 +807,22 @@ def suite_warm2() -> list[Case]:
     return suite_warm()[:4]
 
 
+def suite_chunk8b() -> list[Case]:
+    """Liger's fused loss in the app's chunks (app.model.loss_options: 8 chunks of 1024 rows for the 8B's 128,256-token
+    head at 4 x 2048 tokens) against Liger's own (32 of 256 rows, FINETUNE_LOSS_CHUNK=0) on the 8B full-parameter
+    chat case in pure bf16, Liger's own first (it pays for compiling the kernels both share); 8 timed steps each."""
+    from app.model import LOSS_CHUNK_ENV
+
+    pure = dataclasses.replace(suite_full8b()[0], steps=8)
+    own = dataclasses.replace(pure, name=pure.name + "-ligerchunks", env={**pure.env, LOSS_CHUNK_ENV: "0"})
+    return [own, pure]
+
+
+def suite_chunk8b2() -> list[Case]:
+    """chunk8b in the other order: the app's chunks first on the machine, then Liger's own."""
+    return suite_chunk8b()[::-1]
+
+
 def suite_fusedmlp8b() -> list[Case]:
     """fusedmlp's lever on the 8B full-parameter chat FP8 case (the MLP and q/o projections FP8): fused first on
     the machine (so it, not the other, pays for compiling the kernels both share), the projections one by one,
@@ -933,6 +949,8 @@ SUITES = {
     "fusedmlp8b": suite_fusedmlp8b,
     "features": suite_features,
     "warm2": suite_warm2,
+    "chunk8b": suite_chunk8b,
+    "chunk8b2": suite_chunk8b2,
     "warm8b": suite_warm8b,
     "peer2": suite_peer2,
     "explore": suite_explore,
