@@ -1,4 +1,4 @@
-"""Attention that keeps packed documents apart on GPUs: variable-length FlashAttention over the whole batch.
+"""Attention that keeps packed documents apart: variable-length FlashAttention over the whole batch on GPUs.
 
 A packed batch (app.data.PackedCollator) carries `cu_seq_lens_q/k` (where each document starts in the batch
 flattened to one row) and `max_length_q/k`, the names transformers' own FlashAttention path reads. This function
@@ -13,8 +13,9 @@ layer that asks for what the kernels do not compute (Gemma 2's logit soft-cappin
 non-causal layer) runs its model's eager attention over a mask of the batch's documents instead, slower but the
 same function.
 
-On CPUs the model keeps "sdpa", where transformers derives a block-diagonal mask from the per-document
-`position_ids`: slower, but the same function.
+On CPUs, with no such kernel, every layer runs SDPA over that mask, built from the same boundaries: a model keeps
+its documents apart wherever its layers go through transformers' attention functions, including models that give
+transformers' own masks no position ids (OPT).
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ def varlen_attention_forward(
         kwargs = {**kwargs, "cu_seq_lens_k": cu, "max_length_q": s, "max_length_k": s}
     window = left_window(kwargs.get("sliding_window"))
     kernel = _kernel()
-    if unsupported(module, kwargs) or (dropout and kernel is not _aten_varlen):
-        return eager_over_documents(module, query, key, value, cu, window, dropout, scaling, kwargs)
+    if not query.is_cuda and kernel in KERNELS.values():
+        kernel = None  # CUDA kernels: a CPU run (on any machine) takes the mask
+    if kernel is None or unsupported(module, kwargs) or (dropout and kernel is not _aten_varlen):
+        return over_documents(module, query, key, value, cu, window, dropout, scaling, kwargs)
     q = query.transpose(1, 2).reshape(b * s, h, d)
     k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
@@ -179,11 +182,18 @@ def causal(module, kwargs: dict) -> bool:
 _fallbacks_logged: set[str] = set()
 
 
-def eager_over_documents(module, query, key, value, cu, window, dropout, scaling, kwargs: dict):
-    """The layer's own model's eager attention, which computes every feature transformers gives it, over an
-    additive mask that keeps the batch's documents apart (and the sliding window): the same function as the
-    kernels', with a (batch, 1, seq, seq) mask and the scores materialised."""
-    asked = unsupported(module, kwargs) or ["dropout"]
+def over_documents(module, query, key, value, cu, window, dropout, scaling, kwargs: dict):
+    """The layer's attention over an additive mask that keeps the batch's documents apart (and the sliding window):
+    SDPA's, or where the layer asks for what SDPA does not compute, its own model's eager attention, which computes
+    every feature transformers gives it. The same function as the kernels', with a (batch, 1, seq, seq) mask."""
+    asked = unsupported(module, kwargs)
+    b, _, s, _ = query.shape
+    mask = document_mask(cu, b, s, window, query.dtype, causal(module, kwargs))
+    rest = {k: v for k, v in kwargs.items() if k not in BATCH_FIELDS}
+    if not asked:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **rest)
     eager = getattr(importlib.import_module(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         raise NotImplementedError(
@@ -197,9 +207,6 @@ def eager_over_documents(module, query, key, value, cu, window, dropout, scaling
             f"attention: {name} asks for {', '.join(asked)}; its packed documents are kept apart through the "
             "model's eager attention and a mask (slower than FlashAttention, the same function)"
         )
-    b, _, s, _ = query.shape
-    mask = document_mask(cu, b, s, window, query.dtype, causal(module, kwargs))
-    rest = {k: v for k, v in kwargs.items() if k not in BATCH_FIELDS}
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **rest)
 
 

@@ -112,14 +112,32 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def attention_kernel(cfg: ModelConfig, separate_documents: bool) -> str:
-    """The attn_implementation to build with: for packed batches whose documents are kept apart, on a GPU, with
-    "sdpa" asked for and no attention dropout, variable-length FlashAttention (app.attention); else as configured."""
+def attention_kernel(cfg: ModelConfig, separate_documents: bool, model_config=None) -> str:
+    """The attn_implementation to build with: for packed batches whose documents are kept apart, with "sdpa" asked
+    for, no dropout override and a model whose layers call transformers' attention functions, app.attention's
+    (variable-length FlashAttention on GPUs, SDPA over the documents' mask on CPUs); else as configured."""
     from app import attention
 
-    if separate_documents and cfg.attn_implementation == "sdpa" and not cfg.dropout and attention.available():
+    if (
+        separate_documents
+        and cfg.attn_implementation == "sdpa"
+        and not cfg.dropout
+        and calls_attention_functions(model_config)
+    ):
         return attention.register()
     return cfg.attn_implementation
+
+
+def calls_attention_functions(model_config) -> bool:
+    """Whether the model's layers call the attention function transformers is given, as its class declares
+    (`_supports_attention_backend`). Falcon, Bloom and MPT compute their own (Falcon fails on any other name), and so
+    may a remote-code model that transformers' auto classes do not list: those keep transformers' SDPA."""
+    from transformers import AutoModelForCausalLM
+
+    if model_config is None:
+        return False
+    model_class = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    return bool(getattr(model_class, "_supports_attention_backend", False))
 
 
 def load_model(
@@ -138,7 +156,7 @@ def load_model(
         base = load_model_config(cfg)
         overrides = {k: cfg.dropout for k in base.to_dict() if "dropout" in k or k.endswith("pdrop")}
     path, random_init = model_source(cfg.name_or_path)
-    attn = attention_kernel(cfg, separate_documents)
+    attn = attention_kernel(cfg, separate_documents, load_model_config(cfg))
     if random_init:
         # Built under zero.Init too (transformers checks the live HfDeepSpeedConfig), so a ZeRO-3 model of
         # any size is created already partitioned, on the GPUs.

@@ -35,12 +35,35 @@ def test_collator_only_when_packed_documents_are_kept_apart():
     assert data.collator(DataConfig(dataset="x", packing=False), tok) is None
 
 
-def test_cpu_keeps_sdpa():
-    # On CPUs the model keeps SDPA, which builds a block-diagonal mask from the per-document position ids.
-    assert attention_kernel(ModelConfig(), separate_documents=True) == (
-        "sdpa" if not torch.cuda.is_available() else "finetune_varlen"
-    )
-    assert attention_kernel(ModelConfig(), separate_documents=False) == "sdpa"
+def test_packed_documents_take_the_app_attention_on_every_device():
+    # GPUs: variable-length FlashAttention; CPUs: SDPA over the documents' mask built from the same boundaries. A
+    # model whose layers compute their own attention (Falcon: any other name fails at its first forward) keeps SDPA.
+    from transformers import FalconConfig
+
+    llama = LlamaConfig()
+    assert attention_kernel(ModelConfig(), True, llama) == "finetune_varlen"
+    assert attention_kernel(ModelConfig(), False, llama) == "sdpa"
+    assert attention_kernel(ModelConfig(attn_implementation="eager"), True, llama) == "eager"
+    assert attention_kernel(ModelConfig(), True, FalconConfig()) == "sdpa"
+    assert attention_kernel(ModelConfig(), True, None) == "sdpa"
+
+
+def test_documents_stay_apart_where_transformers_mask_would_join_them(tmp_path):
+    # OPT gives transformers' mask no position ids, so SDPA with that mask lets a packed document see the one before
+    # it; the app's attention builds its mask from the batch's boundaries, so each document computes what it
+    # computes alone.
+    model = tiny_config("opt", tmp_path, apart=True, ffn_dim=128, num_key_value_heads=None, head_dim=None).eval()
+    assert model.config._attn_implementation == "finetune_varlen"
+    batch = packed_ids(50)
+    packed = per_token_losses(model, batch)
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]
+    for lo, hi in itertools.pairwise(starts):
+        doc = batch["input_ids"][0, lo:hi][None]
+        alone = per_token_losses(model, {"input_ids": doc, "labels": doc})[0]
+        torch.testing.assert_close(packed[0, lo : hi - 1], alone, rtol=1e-4, atol=1e-4)
+    joined = load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}"), {}, separate_documents=False).eval()
+    joined.load_state_dict(model.state_dict())
+    assert not torch.allclose(per_token_losses(joined, batch).nan_to_num(), packed.nan_to_num(), atol=1e-3)
 
 
 def per_token_losses(model, batch: dict) -> torch.Tensor:
@@ -53,11 +76,12 @@ def per_token_losses(model, batch: dict) -> torch.Tensor:
     return loss.masked_fill(labels == -100, float("nan"))
 
 
-def build(arch: str, tiny_model, vocab: int, tmp_path):
-    """The model as the training loop builds it (app.model.load_model), the tiny GPT-2 or a tiny Llama."""
+def build(arch: str, tiny_model, vocab: int, tmp_path, apart: bool = True):
+    """The model as the training loop builds it (app.model.load_model), the tiny GPT-2 or a tiny Llama; `apart`:
+    with the app's attention for packed documents, else transformers' SDPA."""
     torch.manual_seed(0)
     if arch == "gpt2":
-        return load_model(ModelConfig(name_or_path=str(tiny_model)), {}, separate_documents=True)
+        return load_model(ModelConfig(name_or_path=str(tiny_model)), {}, separate_documents=apart)
     LlamaConfig(
         vocab_size=vocab,
         hidden_size=64,
@@ -67,7 +91,7 @@ def build(arch: str, tiny_model, vocab: int, tmp_path):
         num_key_value_heads=2,
         max_position_embeddings=256,
     ).save_pretrained(tmp_path)
-    return load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}"), {}, separate_documents=True)
+    return load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}"), {}, separate_documents=apart)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -133,7 +157,7 @@ def varlen_twin(monkeypatch, reference, config, kernel=reference_varlen):
 def test_varlen_path_computes_what_the_block_mask_computes(monkeypatch, tmp_path):
     # The GPU path's own code (layouts, GQA's fewer K/V heads, the batch's boundaries), with the CUDA kernel replaced
     # by a per-document reference: the model's logits equal those of SDPA with transformers' block mask.
-    sdpa = build("llama", None, 50, tmp_path).eval()
+    sdpa = build("llama", None, 50, tmp_path, apart=False).eval()
     assert sdpa.config._attn_implementation == "sdpa"
     varlen = varlen_twin(monkeypatch, sdpa, tmp_path)
     batch = packed_ids(50)
@@ -147,15 +171,17 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 TINY_IDS = {"num_key_value_heads": 2, "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def tiny_config(model_type: str, folder, attn: str = "sdpa", **settings):
-    """A random-init model of `model_type` written to `folder`, built by load_model with `attn`."""
+def tiny_config(model_type: str, folder, attn: str = "sdpa", apart: bool = False, **settings):
+    """A random-init model of `model_type` written to `folder`, built by load_model with `attn` (`apart`: with the
+    app's attention for packed documents, else as transformers builds it)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type, vocab_size=50, **TINY, **TINY_IDS, **settings)
+    sizes = {**TINY, **TINY_IDS, **settings}
+    config = AutoConfig.for_model(model_type, vocab_size=50, **{k: v for k, v in sizes.items() if v is not None})
     config.save_pretrained(folder)
     torch.manual_seed(0)
     cfg = ModelConfig(name_or_path=f"random-init:{folder}", attn_implementation=attn)
-    return load_model(cfg, {}, separate_documents=True)
+    return load_model(cfg, {}, separate_documents=apart)
 
 
 def test_varlen_path_keeps_the_sliding_window(monkeypatch, tmp_path):
