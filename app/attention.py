@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import weakref
 from functools import lru_cache
 
 import torch
@@ -188,7 +189,7 @@ def over_documents(module, query, key, value, cu, window, dropout, scaling, kwar
     every feature transformers gives it. The same function as the kernels', with a (batch, 1, seq, seq) mask."""
     asked = unsupported(module, kwargs)
     b, _, s, _ = query.shape
-    mask = document_mask(cu, b, s, window, query.dtype, causal(module, kwargs))
+    mask = shared_document_mask(cu, b, s, window, query.dtype, causal(module, kwargs))
     rest = {k: v for k, v in kwargs.items() if k not in BATCH_FIELDS}
     if not asked:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -208,6 +209,30 @@ def over_documents(module, query, key, value, cu, window, dropout, scaling, kwar
             "model's eager attention and a mask (slower than FlashAttention, the same function)"
         )
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **rest)
+
+
+_masks: tuple | None = None  # (weak reference to a batch's `cu`, {(rows, seq, window, dtype, causal): mask})
+
+
+def shared_document_mask(
+    cu: torch.Tensor, rows: int, seq: int, window: int | None, dtype: torch.dtype, causal: bool = True
+) -> torch.Tensor:
+    """document_mask, built once per batch and kind of layer instead of once per layer: every layer of a forward
+    (and its recomputation under activation checkpointing) gets the same `cu` tensor. Kept only while that tensor
+    lives, so no mask outlives its batch."""
+    global _masks
+    if _masks is None or _masks[0]() is not cu:
+        _masks = (weakref.ref(cu, _forget_masks), {})
+    key = (cu._version, rows, seq, window, dtype, causal)
+    if key not in _masks[1]:
+        _masks[1][key] = document_mask(cu, rows, seq, window, dtype, causal)
+    return _masks[1][key]
+
+
+def _forget_masks(ref) -> None:
+    global _masks
+    if _masks is not None and _masks[0] is ref:
+        _masks = None
 
 
 def document_mask(

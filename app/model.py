@@ -112,7 +112,7 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def attention_kernel(cfg: ModelConfig, separate_documents: bool, model_config=None) -> str:
+def attention_kernel(cfg: ModelConfig, separate_documents: bool, model_config) -> str:
     """The attn_implementation to build with: for packed batches whose documents are kept apart, with "sdpa" asked
     for, no dropout override and a model whose layers call transformers' attention functions, app.attention's
     (variable-length FlashAttention on GPUs, SDPA over the documents' mask on CPUs); else as configured."""
@@ -151,28 +151,22 @@ def load_model(
 
     # Must stay alive while the model is built: transformers holds it through a weak reference.
     keep_alive = HfDeepSpeedConfig(ds_config) if ds_config.get("zero_optimization", {}).get("stage") == 3 else None
-    overrides = {}
+    mc = load_model_config(cfg)  # read once: the dropout override, the attention choice and the build share it
     if cfg.dropout is not None:
-        base = load_model_config(cfg)
-        overrides = {k: cfg.dropout for k in base.to_dict() if "dropout" in k or k.endswith("pdrop")}
+        for key in [k for k in mc.to_dict() if "dropout" in k or k.endswith("pdrop")]:
+            setattr(mc, key, cfg.dropout)
     path, random_init = model_source(cfg.name_or_path)
-    attn = attention_kernel(cfg, separate_documents, load_model_config(cfg))
+    attn = attention_kernel(cfg, separate_documents, mc)
     if random_init:
         # Built under zero.Init too (transformers checks the live HfDeepSpeedConfig), so a ZeRO-3 model of
         # any size is created already partitioned, on the GPUs.
-        mc = load_model_config(cfg)
-        for key, value in overrides.items():
-            setattr(mc, key, value)
         with random_init_device(zero3=keep_alive is not None):
             model = AutoModelForCausalLM.from_config(
                 mc, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
             )
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            path,
-            attn_implementation=attn,
-            trust_remote_code=cfg.trust_remote_code,
-            **overrides,
+            path, config=mc, attn_implementation=attn, trust_remote_code=cfg.trust_remote_code
         )
     del keep_alive
     if use_liger(cfg):

@@ -117,6 +117,21 @@ def test_local_sources(tmp_path):
     assert "no json" in str(data.check_source(DataConfig(dataset=str(tmp_path / "nothing-*.json")))[0])
 
 
+@pytest.mark.parametrize("source", ["folder", "random-init"])
+def test_model_dropout_overrides_every_dropout_rate_of_the_config(tiny_model, source):
+    from app.config import ModelConfig
+    from app.model import load_model
+
+    name = str(tiny_model) if source == "folder" else f"random-init:{tiny_model}"
+    model = load_model(ModelConfig(name_or_path=name, dropout=0.25), {})
+    rates = {k: v for k, v in model.config.to_dict().items() if "dropout" in k or k.endswith("pdrop")}
+    assert rates and set(rates.values()) == {0.25}, rates
+    assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {0.25}
+    assert {
+        m.p for m in load_model(ModelConfig(name_or_path=name), {}).modules() if isinstance(m, torch.nn.Dropout)
+    } == {0.1}
+
+
 def test_random_init_builds_the_shape_without_its_weights(tiny_model, capsys, tmp_path):
     from transformers import AutoModelForCausalLM
 

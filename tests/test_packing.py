@@ -246,6 +246,29 @@ def test_varlen_path_hands_attention_dropout_to_the_kernel(monkeypatch, tiny_mod
     assert rates == [model.config.attn_pdrop] * layers + [0.0] * layers and model.config.attn_pdrop > 0
 
 
+def test_layers_share_one_document_mask_per_batch_and_drop_it_with_the_batch(monkeypatch, tmp_path):
+    import gc
+
+    from app import attention
+
+    built = []
+    real = attention.document_mask
+    monkeypatch.setattr(attention, "document_mask", lambda cu, *rest: built.append(rest) or real(cu, *rest))
+    model = tiny_config("llama", tmp_path, apart=True).eval()
+    assert model.config.num_hidden_layers > 1
+    batch = packed_ids(50)
+    first = per_token_losses(model, batch)
+    assert len(built) == 1
+    torch.testing.assert_close(per_token_losses(model, batch), first, equal_nan=True)
+    assert len(built) == 1
+    other = packed_ids(50, seq=48)
+    per_token_losses(model, other)
+    assert len(built) == 2
+    del batch, other
+    gc.collect()
+    assert attention._masks is None
+
+
 def test_document_mask_sees_own_earlier_tokens_within_the_window():
     from app.attention import document_mask
 
