@@ -152,14 +152,22 @@ def varlen_attention_forward(
         kernel = None  # CUDA kernels: a CPU run (on any machine) takes the mask
     if kernel is None or unsupported(module, kwargs) or (dropout and kernel is not _aten_varlen):
         return over_documents(module, query, key, value, cu, window, dropout, scaling, kwargs)
-    q = query.transpose(1, 2).reshape(b * s, h, d)
-    k = key.transpose(1, 2).reshape(b * s, key.shape[1], d)
-    v = value.transpose(1, 2).reshape(b * s, value.shape[1], d)
+    dv = value.shape[-1]
+    size = max(d, dv)  # the kernels take one head size; MLA's (DeepSeek-V2/V3) values are narrower than its keys
+    q, k, v = (_tokens_first(x, size) for x in (query, key, value))
     scale = d**-0.5 if scaling is None else scaling
     out = kernel(
         q, k, v, cu, kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"], scale, window, dropout
     )
-    return out.view(b, s, h, d), None
+    return out[..., :dv].reshape(b, s, h, dv), None
+
+
+def _tokens_first(x: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, H, S, D) as the kernels' (B * S, H, size): zeros past D change no dot product and no output column
+    that is kept."""
+    b, h, s, d = x.shape
+    x = x.transpose(1, 2).reshape(b * s, h, d)
+    return x if d == size else torch.nn.functional.pad(x, (0, size - d))
 
 
 def left_window(sliding_window: int | None) -> int | None:

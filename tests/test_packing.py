@@ -124,6 +124,7 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None, drop
     """What FlashAttention's causal varlen kernel computes, one document at a time with SDPA (CPU stand-in); with
     `window`, a token sees itself and the `window` tokens before it."""
     assert dropout == 0.0, "the stand-in has no dropout"
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1], "FlashAttention takes one head size for q, k and v"
     out = torch.empty_like(q)
     for lo, hi in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
         seg = [t[lo:hi].transpose(0, 1) for t in (q, k, v)]
@@ -182,6 +183,17 @@ def tiny_config(model_type: str, folder, attn: str = "sdpa", apart: bool = False
     torch.manual_seed(0)
     cfg = ModelConfig(name_or_path=f"random-init:{folder}", attn_implementation=attn)
     return load_model(cfg, {}, separate_documents=apart)
+
+
+def test_varlen_path_takes_values_narrower_than_keys(monkeypatch, tmp_path):
+    # DeepSeek-V2/V3's multi-head latent attention: keys of 24 (16 + 8 rotary), values of 16. The kernels take one
+    # head size, so the values are padded with zeros and the output cut back.
+    mla = {"qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": None}
+    moe = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1}
+    sdpa = tiny_config("deepseek_v3", tmp_path, head_dim=8, num_key_value_heads=4, **mla, **moe).eval()
+    varlen = varlen_twin(monkeypatch, sdpa, tmp_path)
+    batch = packed_ids(50)
+    torch.testing.assert_close(per_token_losses(varlen, batch), per_token_losses(sdpa, batch), equal_nan=True)
 
 
 def test_varlen_path_keeps_the_sliding_window(monkeypatch, tmp_path):
