@@ -102,7 +102,10 @@ class ModelConfig(Section):
     name_or_path: str = Field("gpt2", description="Hugging Face hub name or a local from_pretrained folder.")
     tokenizer: str | None = Field(None, description="Tokenizer name or folder; default: name_or_path.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel passed to from_pretrained."
+        "sdpa",
+        description="Attention kernel passed to from_pretrained. sdpa: PyTorch's, or the model's eager attention "
+        "where transformers has none (Gemma 2, gpt-oss); packed documents kept apart take variable-length "
+        "FlashAttention on GPUs instead.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     dropout: float | None = Field(

@@ -22,7 +22,14 @@ from typing import Any
 from app import data, ds_config, logs, preemption, preflight
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
-from app.model import check_seq_length, load_model_config, lora_problems, model_facts, model_source
+from app.model import (
+    check_seq_length,
+    load_model_config,
+    lora_problems,
+    model_facts,
+    model_source,
+    packed_documents_problems,
+)
 
 log = logging.getLogger("finetune")
 DS_CONFIG_RECORD = "ds_config.json"
@@ -230,6 +237,8 @@ def check(
         problems += preflight.resource_problems(cfg)
     mc, model_problems, note = read_model_config(cfg, offline)
     problems += model_problems + compile_problems(cfg)
+    if mc is not None:
+        problems += packed_documents_problems(cfg.data, mc)
     if not problems and cfg.model.fp8 and mc is not None:
         problems += fp8_model_problems(cfg, mc)
     if not problems and cfg.model.lora is not None and mc is not None:

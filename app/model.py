@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from app.config import ModelConfig, Problem, TrainConfig, TrainingConfig
+from app.config import DataConfig, ModelConfig, Problem, TrainConfig, TrainingConfig
 
 log = logging.getLogger("finetune")
 
@@ -102,6 +102,32 @@ def check_seq_length(seq_length: int, model_config) -> list[Problem]:
     return []
 
 
+# transformers' `layer_types` of layers with a recurrent state (Mamba, Mamba-2, gated delta-rule linear attention);
+# "mamba" is the name older configs used.
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "hybrid", "mamba"})
+
+
+def packed_documents_problems(data_cfg: DataConfig, model_config) -> list[Problem]:
+    """Packed documents are kept apart in attention layers only. Recurrent layers carry their state from one
+    document into the next: measured on CPUs, Bamba, Falcon-H1, Nemotron-H, Granite 4's hybrid and Jamba leak across
+    documents, and transformers refuses such a batch at the first step for Qwen3.5 and Qwen3-Next."""
+    if not (data_cfg.packing and data_cfg.separate_documents):
+        return []
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    recurrent = sorted(set(getattr(text, "layer_types", None) or ()) & RECURRENT_LAYER_TYPES)
+    if not recurrent:
+        return []
+    return [
+        Problem(
+            "data.packing",
+            True,
+            f"{model_config.model_type} has recurrent layers ({', '.join(recurrent)}), which carry their state from "
+            "one packed document into the next; packed documents are kept apart in attention layers only",
+            "set data.packing=false (each example padded on its own)",
+        )
+    ]
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
@@ -115,7 +141,8 @@ def load_tokenizer(cfg: ModelConfig):
 def attention_kernel(cfg: ModelConfig, separate_documents: bool, model_config) -> str:
     """The attn_implementation to build with: for packed batches whose documents are kept apart, with "sdpa" asked
     for, no dropout override and a model whose layers call transformers' attention functions, app.attention's
-    (variable-length FlashAttention on GPUs, SDPA over the documents' mask on CPUs); else as configured."""
+    (variable-length FlashAttention on GPUs, SDPA over the documents' mask on CPUs); else as configured, but "eager"
+    where "sdpa" is asked for a model that transformers has no SDPA for."""
     from app import attention
 
     if (
@@ -125,6 +152,11 @@ def attention_kernel(cfg: ModelConfig, separate_documents: bool, model_config) -
         and calls_attention_functions(model_config)
     ):
         return attention.register()
+    if cfg.attn_implementation == "sdpa" and _declares(model_config, "_supports_sdpa") is False:
+        # transformers refuses SDPA for these (Gemma 2's soft-capping, gpt-oss' sinks, Bloom) and picks eager itself
+        # when asked for nothing.
+        log.info(f"attention: {model_config.model_type} has no SDPA attention in transformers; its eager one is used")
+        return "eager"
     return cfg.attn_implementation
 
 
@@ -132,12 +164,18 @@ def calls_attention_functions(model_config) -> bool:
     """Whether the model's layers call the attention function transformers is given, as its class declares
     (`_supports_attention_backend`). Falcon, Bloom and MPT compute their own (Falcon fails on any other name), and so
     may a remote-code model that transformers' auto classes do not list: those keep transformers' SDPA."""
+    return bool(_declares(model_config, "_supports_attention_backend"))
+
+
+def _declares(model_config, flag: str) -> bool | None:
+    """A flag of the causal-LM class transformers builds for `model_config`; None when no auto class lists it (a
+    remote-code model)."""
     from transformers import AutoModelForCausalLM
 
     if model_config is None:
-        return False
+        return None
     model_class = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
-    return bool(getattr(model_class, "_supports_attention_backend", False))
+    return None if model_class is None else bool(getattr(model_class, flag, False))
 
 
 def load_model(

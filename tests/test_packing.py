@@ -48,6 +48,18 @@ def test_packed_documents_take_the_app_attention_on_every_device():
     assert attention_kernel(ModelConfig(), True, None) == "sdpa"
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_models_without_sdpa_train_unpacked_through_their_eager_attention(tmp_path, model_type):
+    # transformers refuses SDPA for Gemma 2 (soft-capping) and gpt-oss (sinks) at load; "sdpa" (the default) then
+    # takes the model's eager attention, as transformers does when asked for nothing.
+    settings = {"num_local_experts": 4, "num_experts_per_tok": 2} if model_type == "gpt_oss" else {}
+    model = tiny_config(model_type, tmp_path / "sdpa", **settings).eval()
+    assert model.config._attn_implementation == "eager"
+    eager = tiny_config(model_type, tmp_path / "eager", attn="eager", **settings).eval()
+    batch = {"input_ids": packed_ids(50)["input_ids"], "labels": packed_ids(50)["input_ids"]}
+    torch.testing.assert_close(per_token_losses(model, batch), per_token_losses(eager, batch))
+
+
 def test_documents_stay_apart_where_transformers_mask_would_join_them(tmp_path):
     # OPT gives transformers' mask no position ids, so SDPA with that mask lets a packed document see the one before
     # it; the app's attention builds its mask from the batch's boundaries, so each document computes what it
@@ -64,6 +76,22 @@ def test_documents_stay_apart_where_transformers_mask_would_join_them(tmp_path):
     joined = load_model(ModelConfig(name_or_path=f"random-init:{tmp_path}"), {}, separate_documents=False).eval()
     joined.load_state_dict(model.state_dict())
     assert not torch.allclose(per_token_losses(joined, batch).nan_to_num(), packed.nan_to_num(), atol=1e-3)
+
+
+def test_recurrent_layers_carry_state_across_packed_documents(tmp_path):
+    # Why the driver refuses packing for models with recurrent layers (app.model.packed_documents_problems): Bamba's
+    # Mamba layers see the document before, whatever the attention layers do. Should transformers keep packed
+    # documents apart there, this fails, and the refusal can go.
+    model = tiny_config("bamba", tmp_path, apart=True).eval()
+    batch = packed_ids(50)
+    packed = per_token_losses(model, batch)
+    start, end = (batch["position_ids"][0] == 0).nonzero().flatten()[1:3].tolist()  # the first row's 2nd document
+    doc = batch["input_ids"][0, start:end][None]
+    alone = per_token_losses(model, {"input_ids": doc, "labels": doc})[0]
+    assert not torch.allclose(packed[0, start : end - 1], alone, atol=1e-3)
+    llama = tiny_config("llama", tmp_path / "llama", apart=True).eval()  # attention alone: the same losses
+    alone = per_token_losses(llama, {"input_ids": doc, "labels": doc})[0]
+    torch.testing.assert_close(per_token_losses(llama, batch)[0, start : end - 1], alone, rtol=1e-4, atol=1e-4)
 
 
 def per_token_losses(model, batch: dict) -> torch.Tensor:

@@ -82,12 +82,37 @@ def _parquet_empty_head(path: Path, _model: Path) -> None:
     pq.write_table(pa.table({"text": [""] * 1500 + ["late text"] * 10}), path)
 
 
+def _shape(model_type: str, **settings):
+    """The tiny model's tokenizer beside a small config of `model_type` (for random-init)."""
+
+    def add(folder: Path) -> None:
+        from transformers import AutoConfig
+
+        small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+        AutoConfig.for_model(model_type, **small, **settings).save_pretrained(folder)
+
+    return _model(["model.safetensors"], add)
+
+
+RECURRENT = "model.name_or_path=random-init:{tmp}/m"
+
+
 M = "model.name_or_path={tmp}/m"
 EMPTY_HEAD = jsonl(*([{"text": ""}] * 1200 + [{"text": "text only from row 1201 on"}] * 5))
 
 # name: (--set overrides, files to create {name: bytes or callable(path, tiny model)}, (field, fix) of the line)
 CASES = {
     # -- model and tokenizer folders
+    "packed documents through Mamba layers (Bamba)": (
+        [RECURRENT],
+        {"m": _shape("bamba")},
+        ("data.packing", "data.packing=false"),
+    ),
+    "packed documents through gated delta-rule layers (Qwen3.5)": (
+        [RECURRENT],
+        {"m": _shape("qwen3_5_text")},
+        ("data.packing", "data.packing=false"),
+    ),
     "config.json but no weights": ([M], {"m": _model(["model.safetensors"])}, ("model.name_or_path", "random-init")),
     "weights but no config.json": ([M], {"m": _model(["config.json"])}, ("model.name_or_path", "from_pretrained")),
     "model path is a file": (["model.name_or_path={tmp}/f"], {"f": b"x"}, ("model.name_or_path", "from_pretrained")),
@@ -293,6 +318,12 @@ ACCEPTED = {
         {"d.jsonl": jsonl(*([{"text": ""}] * 999 + [{"text": "words"}]))},
     ),
     "a split expression summing slices": (["data.split=train[:1]+train[-1:]"], {}),
+    "a recurrent model trained unpacked": ([RECURRENT, "data.packing=false"], {"m": _shape("bamba")}),
+    "a recurrent model's packed documents left to see each other": (
+        [RECURRENT, "data.separate_documents=false"],
+        {"m": _shape("qwen3_5_text")},
+    ),
+    "packed documents through attention and short convolutions (LFM2)": ([RECURRENT], {"m": _shape("lfm2")}),
 }
 
 
