@@ -17,6 +17,8 @@ computes, and what do the three ways of attending cost at the 1.1B shape? One JS
    draw, so a backward pass that dropped other weights than its forward would not match); and a small Mistral
    with a 64-token window, built by load_model both ways, per-token losses compared; a small Gemma 2 (soft-capped
    attention logits, which the kernel lacks: the varlen path runs its eager attention) against its eager model.
+4. A small DeepSeek-V3 (multi-head latent attention: values narrower than keys, padded for the kernel), built by
+   load_model both ways, per-token losses compared; and whether the kernel itself takes narrower values.
 """
 
 from __future__ import annotations
@@ -41,18 +43,16 @@ def losses_match(model_type: str = "llama", reference_attn: str = "sdpa", **sett
     from app.model import load_model
 
     folder = tempfile.mkdtemp()
+    if settings.pop("dense", False):
+        settings["first_k_dense_replace"] = settings.get("num_hidden_layers", 2)
+    sizes = {"intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}
     AutoConfig.for_model(
         model_type,
         vocab_size=1000,
         hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=1024,
         dtype="bfloat16",
-        **settings,
+        **{"head_dim": 32, **sizes, **settings},
     ).save_pretrained(folder)
     cfg = ModelConfig(name_or_path=f"random-init:{folder}", liger_kernels=False)
     torch.manual_seed(0)
@@ -267,6 +267,35 @@ def kernel_features() -> dict:
     return out
 
 
+DEEPSEEK_V3_SMALL = {
+    "num_key_value_heads": 8,
+    "head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "kv_lora_rank": 64,
+    "q_lora_rank": None,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+}
+
+
+def one_head_size() -> dict:
+    """Whether PyTorch's FlashAttention-2 varlen op takes values narrower than the keys (why app.attention pads)."""
+    q = torch.randn(64, 4, 48, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(64, 4, 32, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
+    try:
+        torch.ops.aten._flash_attention_forward(q, q, v, cu, cu, 64, 64, 0.0, True, False, scale=0.1)
+    except Exception as exc:  # noqa: BLE001
+        return {"narrower_values": f"refused: {type(exc).__name__}: {exc}"[:300]}
+    return {"narrower_values": "taken"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out")
@@ -277,6 +306,11 @@ def main() -> int:
         ("losses_sliding_window", lambda: losses_match("mistral", sliding_window=64)),
         # Soft-capped attention logits: the varlen path runs Gemma 2's eager attention over the documents' mask.
         ("losses_gemma2_softcap", lambda: losses_match("gemma2", "eager", sliding_window=64)),
+        # Multi-head latent attention: keys of 48 (32 + 16 rotary), values of 32, padded for the kernel.
+        ("losses_deepseek_v3_mla", lambda: losses_match("deepseek_v3", **DEEPSEEK_V3_SMALL)),
+        # The same without its mixture of experts (both layers dense): no top-k routing to flip on bf16 noise.
+        ("losses_deepseek_v3_mla_dense", lambda: losses_match("deepseek_v3", **DEEPSEEK_V3_SMALL, dense=True)),
+        ("kernel_one_head_size", one_head_size),
         ("attention", attention_costs),
         ("kernel_window_dropout", kernel_features),
     )
