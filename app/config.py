@@ -94,7 +94,8 @@ class LoraConfig(Section):
     target_modules: Literal["auto"] | Annotated[list[str], Field(min_length=1)] = Field(
         "auto",
         description="Module names (or name suffixes) that get adapters; auto: the attention and MLP projections "
-        "of the model type (q/k/v/o, gate/up/down for Llama-style models, c_attn/c_proj/c_fc for GPT-2).",
+        "of the model type (q/k/v/o, gate/up/down for Llama-style models, c_attn/c_proj/c_fc for GPT-2), or for "
+        "other models every linear layer but the output head and MoE routers.",
     )
 
 

@@ -18,7 +18,9 @@ from app.errors import Problem
 
 log = logging.getLogger("finetune")
 ADAPTER_CONFIG = "adapter_config.json"
-# `target_modules: auto`: the attention and MLP projections, by the names the model types give them.
+# `target_modules: auto`: the attention and MLP projections, by the names the model types give them; a model with
+# none of these families complete (MoE models, whose experts transformers fuses into tensors, DeepSeek's latent
+# attention, Phi-2, StarCoder2, GLM-4, hybrids) gets every linear layer but the output head: PEFT's "all-linear".
 PROJECTIONS = (
     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),  # Llama, Mistral, Qwen, Gemma
     ("c_attn", "c_proj", "c_fc"),  # GPT-2
@@ -31,11 +33,13 @@ ADAPTER_KEY = "lora_"  # in the name of every adapter weight PEFT adds (lora_A, 
 
 
 def target_modules(model, spec) -> list[str]:
-    """The module names that get adapters: `spec`, or for "auto" the first PROJECTIONS family the model has."""
+    """The module names that get adapters: `spec`, or for "auto" the first PROJECTIONS family the model has, else
+    the names of all its linear layers but the output head."""
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if not list(module.children())}
     wanted = None if spec == "auto" else list(spec)
     if wanted is None:
         wanted = next(([n for n in family if n in names] for family in PROJECTIONS if set(family) <= names), None)
+        wanted = wanted or all_linear(model)
     missing = [n for n in wanted or [] if n not in names]
     if not wanted or missing:
         kind = getattr(model.config, "model_type", "?")
@@ -44,10 +48,26 @@ def target_modules(model, spec) -> list[str]:
             spec,
             f"this {kind} model has no module named {missing[0]!r}"
             if missing
-            else f"no known projection names in this {kind} model",
+            else f"this {kind} model has no linear layers",
             f"list the module names to adapt (its linear layers include {sorted(names)[:12]})",
         )
     return wanted
+
+
+# Mixture-of-experts routers (transformers' names): an adapter there would move tokens between experts that the
+# base model balanced, so they stay frozen, as in full fine-tuning recipes that freeze the router.
+ROUTERS = frozenset({"router", "gate", "shared_expert_gate"})
+
+
+def all_linear(model) -> list[str]:
+    """PEFT's "all-linear" without the routers: the names of every linear layer except the output head's."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+    return sorted(found - ROUTERS - {"lm_head"})
 
 
 def wrap(model, cfg, base: str):

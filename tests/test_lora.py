@@ -117,3 +117,56 @@ def test_other_stages_resume_exactly(stage, tmp_path, tiny_model):
     _, resumed = stop_and_resume(tmp_path, tiny_model, **stage)
     assert_resumed_exactly(tmp_path, resumed)
     assert (tmp_path / "resumed" / "final" / "adapter" / "adapter_config.json").exists()
+
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+EXPERTS = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
+
+
+def small_model(model_type: str, **settings):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=64, **{**SMALL, "num_key_value_heads": 2, "pad_token_id": 0, **settings}
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "model_type, settings",
+    [
+        ("mixtral", EXPERTS),
+        ("qwen3_moe", {**EXPERTS, "moe_intermediate_size": 32}),
+        ("gpt_oss", EXPERTS),
+        ("phimoe", EXPERTS),
+        ("deepseek_v3", {**EXPERTS, "num_key_value_heads": 4, "q_lora_rank": None, "n_group": 1, "topk_group": 1}),
+        ("phi", {}),
+        ("starcoder2", {}),
+        ("glm4", {}),
+    ],
+)
+def test_auto_adapts_every_linear_layer_but_the_head_and_routers_where_no_family_is_complete(model_type, settings):
+    # MoE models (experts fused into tensors: only attention and shared layers are linear), DeepSeek's latent
+    # attention, Phi-2, StarCoder2 and GLM-4 name their projections otherwise; "auto" used to refuse them all.
+    from app import lora
+
+    model = small_model(model_type, **settings)
+    linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    targets = lora.target_modules(model, "auto")
+    assert set(targets) == linear - {"lm_head"} - lora.ROUTERS and targets, (targets, linear)
+    assert not any(set(family) <= linear for family in lora.PROJECTIONS)
+
+
+def test_auto_keeps_a_complete_family_and_moe_adapters_train_alone():
+    from app import lora
+    from app.config import LoraConfig
+
+    assert lora.target_modules(small_model("qwen2_moe", **EXPERTS), "auto") == list(lora.PROJECTIONS[0])
+    model = lora.wrap(small_model("qwen3_moe", **EXPERTS, moe_intermediate_size=32), LoraConfig(r=4), "base")
+    ids = torch.randint(0, 64, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all(lora.ADAPTER_KEY in n for n in trained)
+    assert not any("router" in n or n.endswith(".gate.weight") for n in trained)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trained
