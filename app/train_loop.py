@@ -21,11 +21,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import checkpoint, data, faults, logs, lora, opbuild, preemption, profiling
+from app import attention, checkpoint, data, faults, logs, lora, opbuild, preemption, profiling
 from app.config import TrainConfig, TrainingConfig
 from app.ds_config import plain_bf16
+from app.errors import Problem
 from app.metrics import MetricsLogger, flops_per_token
-from app.model import build_optimizer, build_scheduler, hidden_size, load_model, load_tokenizer, loss_options
+from app.model import (
+    build_optimizer,
+    build_scheduler,
+    calls_attention_functions,
+    hidden_size,
+    load_model,
+    load_tokenizer,
+    loss_options,
+    packed_documents_leak,
+)
 from app.nonfinite import NonFiniteGuard
 
 log = logging.getLogger("finetune")
@@ -146,11 +156,38 @@ def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: in
     )
     if plain:  # stage 0: averaging one worker's gradients would only copy them twice
         engine.enable_backward_allreduce = engine.dp_world_size > 1
+    if packed and model.config._attn_implementation != attention.VARLEN:
+        refuse_leaking_attention(engine, model.config)
     if cfg.model.compile:
         engine.compile()  # compiles lazily, at the first forward pass
     log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
     marks["engine"] = time.time()
     return model, engine
+
+
+# Of the logits' scale: a document kept apart moves by exactly 0, one that sees the one before by 4e-3 or more.
+LEAK_TOLERANCE = 1e-4
+
+
+def refuse_leaking_attention(engine, model_config) -> None:
+    """Packed documents through attention other than the app's (a model that computes its own, or an
+    attn_implementation chosen): the run stops here, on every rank alike, unless they stay apart."""
+    engine.eval()
+    try:
+        moved = packed_documents_leak(engine, model_config.get_text_config().vocab_size, engine.device)
+    finally:
+        engine.train()
+    if moved > LEAK_TOLERANCE:
+        attn = model_config._attn_implementation
+        own = not calls_attention_functions(model_config)
+        raise Problem(
+            "data.packing",
+            True,
+            f"{model_config.model_type}'s {'own ' if own else ''}{attn} attention lets a packed document see the one "
+            f"before it (its logits moved by {moved:.1%} when that document changed)",
+            "set data.packing=false (each example padded on its own)"
+            + ("" if own else ", or model.attn_implementation=sdpa"),
+        )
 
 
 def start_metrics(model, cfg: TrainingConfig, total_steps: int, position: dict[str, Any], world: int, marks: dict):

@@ -94,6 +94,56 @@ def test_recurrent_layers_carry_state_across_packed_documents(tmp_path):
     torch.testing.assert_close(per_token_losses(llama, batch)[0, start : end - 1], alone, rtol=1e-4, atol=1e-4)
 
 
+class EngineStandIn:
+    """What app.train_loop.refuse_leaking_attention uses of DeepSpeed's engine (the CPU runs use the real one)."""
+
+    def __init__(self, model):
+        self.model, self.device = model, torch.device("cpu")
+
+    def __call__(self, **fields):
+        return self.model(**fields)
+
+    def eval(self):
+        self.model.eval()
+
+    def train(self):
+        self.model.train()
+
+
+OPT = {"ffn_dim": 128, "num_key_value_heads": None, "head_dim": None}
+
+
+@pytest.mark.parametrize(
+    "model_type, attn, settings, apart",
+    [
+        ("llama", "sdpa", {}, True),  # the app's attention
+        ("opt", "sdpa", OPT, True),  # the app's attention, where transformers' mask would join them
+        ("stablelm", "sdpa", {}, True),  # its own attention, with transformers' packed mask
+        ("biogpt", "sdpa", {}, False),  # its own attention: transformers' mask joins them
+        ("bloom", "sdpa", {}, False),  # no SDPA: its eager attention, whose ALiBi ignores position ids
+        ("opt", "eager", OPT, False),  # eager chosen: transformers' mask without position ids
+    ],
+)
+def test_packed_documents_through_attention_that_joins_them_stop_the_run(tmp_path, model_type, attn, settings, apart):
+    from app.errors import Problem
+    from app.model import packed_documents_leak
+    from app.train_loop import refuse_leaking_attention
+
+    model = tiny_config(model_type, tmp_path, attn=attn, apart=True, **settings).eval()
+    leak = packed_documents_leak(model, 50, "cpu")
+    model.train()  # as the engine is built: the check evaluates, then hands it back training
+    if apart:
+        assert leak == 0.0
+        refuse_leaking_attention(EngineStandIn(model), model.config)
+    else:
+        assert leak > 1e-3
+        with pytest.raises(Problem) as caught:
+            refuse_leaking_attention(EngineStandIn(model), model.config)
+        assert caught.value.field == "data.packing" and "data.packing=false" in caught.value.fix
+        assert ("model.attn_implementation=sdpa" in caught.value.fix) == (attn == "eager")
+    assert model.training
+
+
 def per_token_losses(model, batch: dict) -> torch.Tensor:
     """Cross-entropy of each next-token prediction, (rows, seq-1); NaN where the label is ignored."""
     fields = {k: v for k, v in batch.items() if k != "labels"}
