@@ -143,7 +143,7 @@ def attention_kernel(cfg: ModelConfig, separate_documents: bool, model_config) -
     for and a model whose layers call transformers' attention functions, app.attention's (variable-length
     FlashAttention on GPUs, SDPA over the documents' mask on CPUs); else as configured, but "eager" where "sdpa" is
     asked for a model that transformers has no SDPA for. Packed documents through any other attention are checked
-    once the engine is up (packed_documents_leak)."""
+    once the engine is up (app.train_loop.refuse_leaking_attention)."""
     from app import attention
 
     if separate_documents and cfg.attn_implementation == "sdpa" and calls_attention_functions(model_config):
@@ -154,29 +154,6 @@ def attention_kernel(cfg: ModelConfig, separate_documents: bool, model_config) -
         log.info(f"attention: {model_config.model_type} has no SDPA attention in transformers; its eager one is used")
         return "eager"
     return cfg.attn_implementation
-
-
-def packed_documents_leak(forward, vocab_size: int, device) -> float:
-    """How far a packed document's logits move, relative to their largest, when the tokens of the document before
-    it change: two documents of 8 tokens in one row, the first one's tokens drawn again. Exactly 0 in a model that
-    keeps them apart, in any precision (masked positions add exact zeros, and every other layer works token by
-    token); measured on CPUs: 0 for Llama, Gemma 2, StableLM and OPT through the app's attention, 0.4-100% for
-    BioGPT, Bloom, MPT, XGLM and OpenAI GPT through transformers' attention, and for OPT through its eager one."""
-    from app.data import packed_batch
-
-    draw = torch.Generator().manual_seed(0)
-    first = torch.randint(1, vocab_size, (1, 16), generator=draw)
-    second = first.clone()
-    second[0, :8] = torch.randint(1, vocab_size, (8,), generator=draw)
-    starts = torch.zeros(1, 16, dtype=torch.bool)
-    starts[0, [0, 8]] = True
-    logits = []
-    with torch.no_grad():
-        for ids in (first, second):
-            batch = packed_batch(ids, ids.clone(), 0, starts)
-            fields = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items() if k != "labels"}
-            logits.append(forward(**fields).logits[0, 8:].float())
-    return float((logits[0] - logits[1]).abs().max() / logits[0].abs().max().clamp(min=1e-12))
 
 
 def calls_attention_functions(model_config) -> bool:

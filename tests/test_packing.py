@@ -126,8 +126,7 @@ OPT = {"ffn_dim": 128, "num_key_value_heads": None, "head_dim": None}
 )
 def test_packed_documents_through_attention_that_joins_them_stop_the_run(tmp_path, model_type, attn, settings, apart):
     from app.errors import Problem
-    from app.model import packed_documents_leak
-    from app.train_loop import refuse_leaking_attention
+    from app.train_loop import packed_documents_leak, refuse_leaking_attention
 
     model = tiny_config(model_type, tmp_path, attn=attn, apart=True, **settings).eval()
     leak = packed_documents_leak(model, 50, "cpu")
