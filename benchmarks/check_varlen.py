@@ -43,8 +43,6 @@ def losses_match(model_type: str = "llama", reference_attn: str = "sdpa", **sett
     from app.model import load_model
 
     folder = tempfile.mkdtemp()
-    if settings.pop("dense", False):
-        settings["first_k_dense_replace"] = settings.get("num_hidden_layers", 2)
     sizes = {"intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}
     AutoConfig.for_model(
         model_type,
@@ -283,6 +281,8 @@ DEEPSEEK_V3_SMALL = {
     "first_k_dense_replace": 1,
 }
 
+DEEPSEEK_V3_DENSE = {**DEEPSEEK_V3_SMALL, "first_k_dense_replace": 2}  # both layers dense: no experts
+
 
 def one_head_size() -> dict:
     """Whether PyTorch's FlashAttention-2 varlen op takes values narrower than the keys (why app.attention pads)."""
@@ -309,7 +309,7 @@ def main() -> int:
         # Multi-head latent attention: keys of 48 (32 + 16 rotary), values of 32, padded for the kernel.
         ("losses_deepseek_v3_mla", lambda: losses_match("deepseek_v3", **DEEPSEEK_V3_SMALL)),
         # The same without its mixture of experts (both layers dense): no top-k routing to flip on bf16 noise.
-        ("losses_deepseek_v3_mla_dense", lambda: losses_match("deepseek_v3", **DEEPSEEK_V3_SMALL, dense=True)),
+        ("losses_deepseek_v3_mla_dense", lambda: losses_match("deepseek_v3", **DEEPSEEK_V3_DENSE)),
         ("kernel_one_head_size", one_head_size),
         ("attention", attention_costs),
         ("kernel_window_dropout", kernel_features),

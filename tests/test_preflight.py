@@ -94,7 +94,7 @@ def _shape(model_type: str, **settings):
     return _model(["model.safetensors"], add)
 
 
-RECURRENT = "model.name_or_path=random-init:{tmp}/m"
+RANDOM_SHAPE = "model.name_or_path=random-init:{tmp}/m"  # the shape _shape writes, random weights
 
 
 M = "model.name_or_path={tmp}/m"
@@ -104,12 +104,12 @@ EMPTY_HEAD = jsonl(*([{"text": ""}] * 1200 + [{"text": "text only from row 1201 
 CASES = {
     # -- model and tokenizer folders
     "packed documents through Mamba layers (Bamba)": (
-        [RECURRENT],
+        [RANDOM_SHAPE],
         {"m": _shape("bamba")},
         ("data.packing", "data.packing=false"),
     ),
     "packed documents through gated delta-rule layers (Qwen3.5)": (
-        [RECURRENT],
+        [RANDOM_SHAPE],
         {"m": _shape("qwen3_5_text")},
         ("data.packing", "data.packing=false"),
     ),
@@ -318,12 +318,12 @@ ACCEPTED = {
         {"d.jsonl": jsonl(*([{"text": ""}] * 999 + [{"text": "words"}]))},
     ),
     "a split expression summing slices": (["data.split=train[:1]+train[-1:]"], {}),
-    "a recurrent model trained unpacked": ([RECURRENT, "data.packing=false"], {"m": _shape("bamba")}),
+    "a recurrent model trained unpacked": ([RANDOM_SHAPE, "data.packing=false"], {"m": _shape("bamba")}),
     "a recurrent model's packed documents left to see each other": (
-        [RECURRENT, "data.separate_documents=false"],
+        [RANDOM_SHAPE, "data.separate_documents=false"],
         {"m": _shape("qwen3_5_text")},
     ),
-    "packed documents through attention and short convolutions (LFM2)": ([RECURRENT], {"m": _shape("lfm2")}),
+    "packed documents through attention and short convolutions (LFM2)": ([RANDOM_SHAPE], {"m": _shape("lfm2")}),
 }
 
 
