@@ -18,7 +18,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from app.ds_block import RULE, DeepSpeedConfig, tutorial_ds_config
 from app.errors import ConfigError, Problem
@@ -36,6 +45,24 @@ MAX_WORKERS = 65_536
 class Section(BaseModel):
     # inf and NaN are never meant: `learning_rate: .inf` would "train" to NaN and report success.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_switch_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic takes true/false as 1/0 where a number goes, and YAML reads yes, no, on and off as true/false:
+        `epochs: yes` would train one epoch."""
+        if isinstance(value, bool) and _number_only(cls.model_fields[info.field_name].annotation):
+            raise PydanticCustomError(SWITCH_FOR_NUMBER, "is a switch (true/false), not a number")
+        return value
+
+
+SWITCH_FOR_NUMBER = "switch_for_number"
+
+
+def _number_only(annotation: Any) -> bool:
+    """Whether a field takes numbers and no switch (int, float, int | None, ...)."""
+    kinds = set(typing.get_args(annotation)) if typing.get_args(annotation) else {annotation}
+    return bool(kinds & {int, float}) and bool not in kinds and Any not in kinds
 
 
 class ExperimentConfig(Section):
@@ -158,8 +185,9 @@ class DataConfig(Section):
 
     dataset: str = Field(
         "ag_news",
-        description="Hub dataset name, a local file/folder/glob of json, jsonl, csv, parquet or txt, "
-        "or a save_to_disk folder.",
+        description="Hub dataset name, a local file/folder/glob of json, jsonl, csv, parquet or txt (.gz, .bz2, "
+        ".xz compressed or not), or a save_to_disk folder. A folder's splits are its files' names as `datasets` reads "
+        "them (train.jsonl, test.jsonl; data/train-00000-of-00001.parquet); a file or glob is split train.",
     )
     config_name: str | None = Field(None, description="Hub dataset config name.")
     split: str = Field("train[:1%]", description="Split with the `datasets` slicing syntax.")
@@ -610,6 +638,7 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
         "bool_parsing": "use true or false",
         "bool_type": "use true or false",  # e.g. null, or a list, where a switch goes
         "int_type": "use a whole number",
+        SWITCH_FOR_NUMBER: "use a number",
         "float_type": "use a number",
         "string_type": "use text (quoted in YAML when it looks like a number or a date)",
         "list_type": "use a list, e.g. [a, b]",

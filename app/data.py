@@ -6,12 +6,13 @@ restarted job does not tokenize again, and it is built once (by global rank 0) a
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import functools
-import glob
 import hashlib
 import json
 import logging
+import lzma
 import os
 import shutil
 import time
@@ -25,37 +26,20 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from app import chat
 from app.config import DataConfig
+from app.data_files import (
+    LOCAL_BUILDERS,
+    TooManyFiles,
+    is_local,
+    kind_of,
+    open_data,
+    split_files,
+    split_names,
+)
 from app.errors import Problem, _short
 
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 COLUMNS_PACKED = ["input_ids", "labels"]
 COLUMNS_PADDED = ["input_ids", "attention_mask", "labels"]
 log = logging.getLogger("finetune")
-
-
-def is_local(spec: str) -> bool:
-    return spec.startswith(("/", "./", "../", "~")) or bool(glob.glob(os.path.expanduser(spec)))
-
-
-# A dataset folder with more entries than this is a mistake (e.g. data.dataset=/), not a dataset: stop walking.
-MAX_FOLDER_ENTRIES = 200_000
-
-
-class TooManyFiles(Exception):
-    pass
-
-
-def _local_files(spec: str) -> list[str]:
-    path = Path(os.path.expanduser(spec))
-    if not path.is_dir():
-        return sorted(glob.glob(os.path.expanduser(spec)))
-    found, seen = [], 0
-    for folder, _, names in os.walk(path):
-        seen += len(names) + 1
-        if seen > MAX_FOLDER_ENTRIES:
-            raise TooManyFiles(path)
-        found += [os.path.join(folder, n) for n in names if Path(n).suffix in LOCAL_BUILDERS]
-    return sorted(found)
 
 
 def _saved_dataset(path: Path) -> bool:
@@ -81,35 +65,53 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
     if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
         return _saved_problems(cfg, model)
     try:
-        files = _local_files(cfg.dataset)
-    except TooManyFiles:
+        by_split = split_files(cfg.dataset)
+    except TooManyFiles as exc:
         return [
             Problem(
                 "data.dataset",
                 cfg.dataset,
-                f"the folder holds more than {MAX_FOLDER_ENTRIES:,} files and folders: that is not one dataset",
+                f"the folder holds more than {exc.args[0]:,} files and folders: that is not one dataset",
                 "point it at the dataset's own folder, or at a glob of its files",
             )
         ]
-    if not files:
-        return [
-            Problem(
-                "data.dataset", cfg.dataset, "no json/jsonl/csv/parquet/txt files found there", "check the path or glob"
-            )
-        ]
-    kinds = {LOCAL_BUILDERS.get(Path(f).suffix) for f in files}
-    if None in kinds or len(kinds) > 1:
+    everything = sorted({f for fs in by_split.values() for f in fs})
+    if not everything:
         return [
             Problem(
                 "data.dataset",
                 cfg.dataset,
-                f"mixed or unknown file types {sorted(map(str, kinds))}",
-                "point it at files of one type",
+                "no json/jsonl/csv/parquet/txt files found there (.gz, .bz2 or .xz compressed or not)",
+                "check the path or glob",
+            )
+        ]
+    if unknown := [f for f in everything if kind_of(f) is None]:
+        return [
+            Problem(
+                "data.dataset",
+                cfg.dataset,
+                f"{unknown[0]} is not a data file ({', '.join(LOCAL_BUILDERS)}; .gz, .bz2 or .xz compressed or not)",
+                "point it at data files only",
+            )
+        ]
+    if len(kinds := {kind_of(f) for f in everything}) > 1:
+        return [
+            Problem(
+                "data.dataset",
+                cfg.dataset,
+                f"mixes kinds of files ({', '.join(sorted(map(str, kinds)))}), which `datasets` reads with one reader",
+                "point it at files of one kind",
             )
         ]
     kind = kinds.pop()
+    # The files of the splits this run reads (a folder's test split is not sampled for its training split).
+    files = [f for name in _splits_read(cfg) for f in by_split.get(name, [])] or everything
     chat_problems = _chat_sample_problems(cfg, files, kind, model)
     return _sample_problems(cfg, files, kind) if chat_problems is None else chat_problems
+
+
+def _splits_read(cfg: DataConfig) -> list[str]:
+    return split_names(cfg.split) + (split_names(cfg.eval_split) if cfg.eval_split else [])
 
 
 def _tokenizer_of(model):
@@ -158,7 +160,7 @@ def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -
 
 def looks_like_path(spec: str) -> bool:
     """A hub dataset is 'name' or 'owner/name': a data file's suffix, a glob character or a second '/' make a path."""
-    return Path(spec).suffix in LOCAL_BUILDERS or any(c in spec for c in "*?[") or spec.count("/") > 1
+    return kind_of(spec) is not None or any(c in spec for c in "*?[") or spec.count("/") > 1
 
 
 # --- what a sample of local data shows ---------------------------------------------------------------------
@@ -254,19 +256,29 @@ def _read_sample(file: str, kind: str, field: str) -> tuple[list | None, list, b
         values = [None if pd.isna(v) else v for v in frame[field]] if field in frame.columns else []
         values = [v.item() if hasattr(v, "item") else v for v in values]  # numpy scalars: report the plain type
         return list(frame.columns), values, len(frame) < SAMPLE_ROWS
-    with open(file, "rb") as f:
-        raw = f.read(SAMPLE_BYTES)
+    raw = _head(file)
     complete = len(raw) < SAMPLE_BYTES
+    mark = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # Windows editors write one; no text
     try:
-        text = raw.decode("utf-8")
+        text = raw[mark:].decode("utf-8")
     except UnicodeDecodeError as exc:
-        if complete or exc.start < len(raw) - 4:  # not just a character cut by the sample's end
-            raise ValueError(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
-        text = raw[: exc.start].decode("utf-8")
+        at = mark + exc.start
+        if complete or at < len(raw) - 4:  # not just a character cut by the sample's end
+            raise ValueError(f"not UTF-8 text (byte 0x{raw[at]:02x} at offset {at})") from None
+        text = raw[mark:at].decode("utf-8")
     lines = text.splitlines() if complete else text.splitlines()[:-1]
     if kind == "text":
         return ["text"], lines[:SAMPLE_ROWS], complete and len(lines) <= SAMPLE_ROWS
     return _json_sample(text, lines, complete, field)
+
+
+def _head(file: str) -> bytes:
+    """The first SAMPLE_BYTES of the file's data, decompressed."""
+    try:
+        with open_data(file) as f:
+            return f.read(SAMPLE_BYTES)
+    except (EOFError, OSError, lzma.LZMAError) as exc:  # gzip's BadGzipFile is an OSError
+        raise ValueError(f"cannot be decompressed ({exc})") from None
 
 
 def _json_sample(text: str, lines: list[str], complete: bool, field: str) -> tuple[list | None, list, bool]:
@@ -395,10 +407,13 @@ def load_split(cfg: DataConfig, split: str):
                 base = loaded[name]
                 return base if not rest else datasets.concatenate_datasets([base]).select(_slice(len(base), rest))
             return loaded
-        files = _local_files(cfg.dataset)
-        builder = LOCAL_BUILDERS[Path(files[0]).suffix]
+        by_split = split_files(cfg.dataset)
+        # Only the splits read: datasets converts every split it is given (a folder's test split too).
+        given = {name: by_split[name] for name in split_names(split) if name in by_split} or by_split
+        files = [f for fs in given.values() for f in fs]
+        builder = kind_of(files[0])
         try:
-            return datasets.load_dataset(builder, data_files={"train": files}, split=split)
+            return datasets.load_dataset(builder, data_files=given, split=split)
         except Exception as exc:  # noqa: BLE001 - a bad row beyond the sample validate read: say where it is
             raise unreadable_data(files, builder, exc) from None
     return datasets.load_dataset(cfg.dataset, cfg.config_name, split=split)
@@ -412,8 +427,9 @@ def unreadable_data(files: list[str], builder: str, exc: BaseException) -> Probl
     reason = (str(root).strip().splitlines() or [type(root).__name__])[0][:200]
     if builder == "json":
         for file in files:
-            with open(file, "rb") as f:
+            with open_data(file) as f:
                 for number, line in enumerate(f, 1):
+                    line = line.removeprefix(codecs.BOM_UTF8)
                     if not line.strip():
                         continue
                     try:
@@ -446,11 +462,11 @@ def row_location(dataset: str, split: str | None, index: int) -> str:
     fallback = f"row {index + 1} of split {split}" if split else f"row {index + 1}"
     if split is None or not is_local(dataset) or _saved_dataset(Path(os.path.expanduser(dataset))):
         return fallback
-    files = _local_files(dataset)
-    if LOCAL_BUILDERS[Path(files[0]).suffix] not in ("json", "parquet"):
+    files = split_files(dataset).get(split_names(split)[0], [])
+    if not files or kind_of(files[0]) not in ("json", "parquet"):
         return fallback
     places = [(file, place) for file in files for place in _row_places(file)]
-    rest = split.partition("[")[2]
+    rest = split.split("+")[0].partition("[")[2]
     index += _slice(len(places), rest).start if rest else 0
     return f"{places[index][0]} {places[index][1]}" if index < len(places) else fallback
 
@@ -460,7 +476,7 @@ def _row_places(file: str) -> list[str]:
         import pyarrow.parquet as pq
 
         return [f"row {n + 1}" for n in range(pq.ParquetFile(file).metadata.num_rows)]
-    with open(file, encoding="utf-8", errors="replace") as f:
+    with open_data(file) as f:
         return [f"line {n + 1}" for n, line in enumerate(f) if line.strip()]
 
 

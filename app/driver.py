@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from app import data, ds_config, logs, preemption, preflight
+from app import data, data_files, ds_config, logs, preemption, preflight
 from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
 from app.model import (
@@ -88,7 +88,7 @@ def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Pro
     """The transformers model config (None when it cannot be read now), its context check, and a note when it
     cannot be read."""
     source, random_init = model_source(cfg.model.name_or_path)
-    local = data.is_local(source)
+    local = data_files.is_local(source)
     if local and preflight.model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init):
         return None, [], None  # preflight_problems names what the folder lacks
     try:

@@ -9,6 +9,7 @@ when the hub is unreachable, a hub dataset's splits) is left to them.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app import data
+from app import data, data_files
 from app.errors import Problem
 from app.model import model_source
 
@@ -183,7 +184,7 @@ def split_problems(cfg: TrainingConfig) -> list[Problem]:
     d = cfg.data
     try:
         sizes = split_sizes(cfg)
-    except (OSError, ValueError, KeyError, TypeError, data.TooManyFiles):
+    except (OSError, ValueError, KeyError, TypeError, data_files.TooManyFiles):
         return []  # check_source reports an unreadable or unusable source
     if sizes is None or not any(sizes.values()):
         return []  # unknown here, or no rows at all (check_source says the data is empty)
@@ -256,10 +257,11 @@ def _rows_of_expression(spec: str, sizes: dict[str, int]) -> tuple[int | None, s
 
 
 def split_sizes(cfg: TrainingConfig) -> dict[str, int] | None:
-    """{split: rows} of local data as `datasets` will load it (files are one split, 'train'), or None when unknown:
+    """{split: rows} of local data as `datasets` will load it (a folder's splits as app.data_files finds them, a file
+    or glob one split, 'train'), or None when unknown:
     a hub dataset, a saved single Dataset (loaded whole, whatever the split), or data too large to count here."""
     spec = cfg.data.dataset
-    if not data.is_local(spec):
+    if not data_files.is_local(spec):
         return None
     path = Path(spec).expanduser()
     if data._saved_dataset(path):
@@ -267,12 +269,18 @@ def split_sizes(cfg: TrainingConfig) -> dict[str, int] | None:
             return None
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         return {name: _saved_rows(path / name) for name in splits}
-    files = data._local_files(spec)
-    kinds = {data.LOCAL_BUILDERS.get(Path(f).suffix) for f in files}
-    if not files or len(kinds) != 1 or sum(os.path.getsize(f) for f in files) > COUNT_BYTES:
+    by_split = data_files.split_files(spec)
+    files = [f for fs in by_split.values() for f in fs]
+    kinds = {data_files.kind_of(f) for f in files}
+    if not files or len(kinds) != 1 or None in kinds or sum(map(_weight, files)) > COUNT_BYTES:
         return None
     kind = kinds.pop()
-    return {"train": sum(count_rows(f, kind) for f in files)}
+    return {split: sum(count_rows(f, kind) for f in fs) for split, fs in by_split.items()}
+
+
+def _weight(file: str) -> int:
+    """A file's share of what counting reads: compressed text is read back about 5x its size."""
+    return os.path.getsize(file) * (5 if Path(file).suffix in data_files.COMPRESSIONS else 1)
 
 
 def _saved_rows(folder: Path) -> int:
@@ -301,8 +309,8 @@ def count_rows(file: str, kind: str) -> int:
             return len(pd.read_csv(file, usecols=[0]))
         except pd.errors.EmptyDataError:
             return 0
-    with open(file, "rb") as f:
-        head = f.read(1 << 16).lstrip()
+    with data_files.open_data(file) as f:
+        head = f.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip()
         f.seek(0)
         if kind == "json" and head.startswith((b"[", b"{")) and not _is_json_lines(head):
             doc = json.load(f)

@@ -71,6 +71,8 @@ BAD = {
     "literal": (["train.precision=fp8"], "train.precision", "one of the listed values"),
     "null switch": (["model.fp8=null"], "model.fp8", "use true or false"),
     "null count": (["train.epochs=null"], "train.epochs", "use a whole number"),
+    "a switch for a count": (["train.epochs=yes"], "train.epochs", "is a switch (true/false), not a number"),
+    "a switch for a rate": (["train.learning_rate=true"], "train.learning_rate", "is a switch (true/false)"),
     "storage under a file": (
         ["experiment.storage_path={storage}/someone-elses-file/sub"],
         "experiment.storage_path",
@@ -366,17 +368,17 @@ def test_a_folder_too_big_to_be_a_dataset_is_refused_without_walking_it_all(
     storage, tiny_model, tmp_path, monkeypatch, capsys
 ):
     """data.dataset=/ used to make validate walk the whole disk; the walk now stops at a bound."""
-    from app import data
+    from app import data_files
 
     big = tmp_path / "big"
     for i in range(12):
         (big / f"d{i}").mkdir(parents=True)
         (big / f"d{i}" / "part.jsonl").write_text('{"text": "x"}\n')
-    monkeypatch.setattr(data, "MAX_FOLDER_ENTRIES", 10)
+    monkeypatch.setattr(data_files, "MAX_FOLDER_ENTRIES", 10)
     assert main(["validate", *base_args(storage, tiny_model), "--set", f"data.dataset={big}"]) == 2
     err = capsys.readouterr().err
     assert "data.dataset: the folder holds more than 10 files and folders" in err and "Traceback" not in err
-    monkeypatch.setattr(data, "MAX_FOLDER_ENTRIES", 100)
+    monkeypatch.setattr(data_files, "MAX_FOLDER_ENTRIES", 100)
     whole = ["--set", "data.split=train"]  # the default train[:1%] of 12 rows selects none (refused too)
     assert main(["validate", *base_args(storage, tiny_model), "--set", f"data.dataset={big}", *whole]) == 0
 

@@ -108,13 +108,90 @@ def test_local_sources(tmp_path):
     assert data.check_source(cfg) == []
     assert len(data.load_split(cfg, "train")) == 2
     (tmp_path / "t.txt").write_text("one\ntwo\nthree\n")
-    assert "mixed" in str(data.check_source(DataConfig(dataset=str(tmp_path), split="train"))[0])
+    assert "mixes kinds" in str(data.check_source(DataConfig(dataset=str(tmp_path), split="train"))[0])
     saved = tmp_path / "saved"
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(10)]})}).save_to_disk(
         str(saved)
     )
     assert len(data.load_split(DataConfig(dataset=str(saved)), "train[:30%]")) == 3
     assert "no json" in str(data.check_source(DataConfig(dataset=str(tmp_path / "nothing-*.json")))[0])
+
+
+# Folder layouts (paths of data files, plus files that are not data) and the splits datasets makes of them.
+LAYOUTS = {
+    "flat": ["a.jsonl", "b.jsonl", "README.md"],
+    "split files": ["train.jsonl", "validation.jsonl", "test.jsonl", "dataset_info.json"],
+    "keywords inside names": ["my_train.jsonl", "my-dev.jsonl", "eval.jsonl", "train2.jsonl"],
+    "no keyword standing alone": ["retrain.jsonl", "trainval.jsonl", "Train.jsonl"],
+    "split folders": ["train/a.jsonl", "train/b.jsonl", "test/c.jsonl", "notes/train.jsonl"],
+    "keyword folders": ["training_set/x.jsonl", "set-val/y.jsonl", "other/z.jsonl"],
+    "hub shards": [
+        "data/train-00000-of-00002.parquet",
+        "data/train-00001-of-00002.parquet",
+        "data/test-00000-of-00001.parquet",
+        "data/other.parquet",
+        "README.md",
+    ],
+    "hidden and special": ["a.jsonl", ".hidden/test.jsonl", "__pycache__/test.jsonl", ".test.jsonl"],
+    "compressed": ["train.jsonl.gz", "test.jsonl.xz", "validation.jsonl.bz2"],
+    "a folder's keyword wins over names": ["foo/bar_test/x.jsonl", "foo/y_train.jsonl"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_folder_splits_as_datasets_splits_it(tmp_path, layout):
+    """app.data_files' rule against datasets' own (load_dataset(folder) resolves its files this way): a folder's
+    test split is never trained on as part of train."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    from app import data_files
+
+    for name in LAYOUTS[layout]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    theirs = DataFilesDict.from_patterns(get_data_patterns(str(tmp_path)), base_path=str(tmp_path))
+    expected = {split: sorted(str(f) for f in files) for split, files in theirs.items()}
+    assert data_files.split_files(str(tmp_path)) == expected
+    assert list(data_files.split_files(str(tmp_path))) == list(expected)  # train, validation, test, others
+
+
+def test_a_folder_trains_on_its_train_split_only(tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"text": "train row {i}"}}\n' for i in range(6)))
+    (tmp_path / "test.jsonl").write_text("".join(f'{{"text": "test row {i}"}}\n' for i in range(4)))
+    cfg = DataConfig(dataset=str(tmp_path), split="train", eval_split="test", eval_fraction=0)
+    assert data.check_source(cfg) == []
+    assert data.load_split(cfg, "train")["text"] == [f"train row {i}" for i in range(6)]
+    assert data.load_split(cfg, "test")["text"] == [f"test row {i}" for i in range(4)]
+    assert len(data.load_split(cfg, "train[:50%]+test")) == 7
+    assert data.row_location(str(tmp_path), "test", 2) == f"{tmp_path / 'test.jsonl'} line 3"
+
+
+def test_compressed_and_byte_order_marked_files_read_as_datasets_reads_them(tmp_path):
+    import bz2
+    import gzip
+
+    from app.preflight import count_rows
+
+    rows = "".join(f'{{"text": "row {i}"}}\n' for i in range(5))
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    (tmp_path / "b.csv.bz2").write_bytes(bz2.compress(b"text\none\ntwo\n"))
+    (tmp_path / "c.jsonl").write_bytes(b"\xef\xbb\xbf" + rows.encode())  # a Windows editor's byte-order mark
+    (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf[" + b",".join(b'{"text": "x"}' for _ in range(3)) + b"]")
+    for name, kind, n in [
+        ("a.jsonl.gz", "json", 5),
+        ("b.csv.bz2", "csv", 2),
+        ("c.jsonl", "json", 5),
+        ("d.json", "json", 3),
+    ]:
+        cfg = DataConfig(dataset=str(tmp_path / name), split="train")
+        assert data.check_source(cfg) == [], name
+        assert len(data.load_split(cfg, "train")) == n == count_rows(str(tmp_path / name), kind), name
+    (tmp_path / "e.jsonl.gz").write_bytes(b"not gzip at all")
+    problem = data.check_source(DataConfig(dataset=str(tmp_path / "e.jsonl.gz")))[0]
+    assert problem.field == "data.dataset" and "cannot be decompressed" in str(problem)
+    (tmp_path / "f.parquet.gz").write_bytes(b"x")
+    problem = data.check_source(DataConfig(dataset=str(tmp_path / "*.gz")))[0]
+    assert "f.parquet.gz is not a data file" in str(problem)
 
 
 @pytest.mark.parametrize("source", ["folder", "random-init"])

@@ -1,0 +1,122 @@
+"""Local data files as `datasets` reads them: which files a path or glob names, their kind (json, csv, parquet,
+text; compressed with gzip, bzip2 or xz or not), and which split each file belongs to.
+
+A folder is split the way `datasets.load_dataset(folder)` splits it (datasets' `data_files.get_data_patterns`):
+the hub's shard names (`data/train-00000-of-00002.parquet`) give the splits; else split keywords in directory
+names, then in file names (train/training; validation/valid/dev/val; test/testing/eval/evaluation, each standing
+alone between `-._ 0-9` or the path's ends); else every file is `train`. A single file or a glob is `train`.
+Hidden files and folders, `__special__` folders and a dataset's own metadata files (README.md, dataset_info.json)
+are not data. tests/test_data.py checks the rule against datasets' own on a range of layouts.
+"""
+
+from __future__ import annotations
+
+import bz2
+import glob
+import gzip
+import lzma
+import os
+import re
+from pathlib import Path
+from typing import IO
+
+LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# Compression `datasets` undoes on reading (by the suffix), for the kinds that are a stream of bytes.
+COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+# datasets' FILES_TO_IGNORE: a dataset folder's metadata, never rows.
+NOT_DATA = frozenset({"README.md", "config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json"})
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SEP = "[-._ 0-9]"  # datasets' NON_WORDS_CHARS, around a keyword
+_SPLIT_NAME = re.compile(r"\w+(\.\w+)*")  # datasets' rule for a split's name
+_SHARD = re.compile(r"data/([^/]+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")  # datasets' SPLIT_PATTERN_SHARDED
+
+# A dataset folder with more entries than this is a mistake (e.g. data.dataset=/), not a dataset: stop walking.
+MAX_FOLDER_ENTRIES = 200_000
+
+
+class TooManyFiles(Exception):
+    """args: (the limit,)."""
+
+
+def is_local(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or bool(glob.glob(os.path.expanduser(spec)))
+
+
+def kind_of(file: str) -> str | None:
+    """The `datasets` builder that reads `file` (json for data.jsonl.gz), or None for a file that is no data."""
+    path = Path(file)
+    if path.suffix in COMPRESSIONS:
+        kind = LOCAL_BUILDERS.get(Path(path.stem).suffix)
+        return None if kind == "parquet" else kind  # parquet compresses inside; datasets reads no .parquet.gz
+    return LOCAL_BUILDERS.get(path.suffix)
+
+
+def open_data(file: str) -> IO[bytes]:
+    """The file's bytes, decompressed as `datasets` decompresses them."""
+    return COMPRESSIONS.get(Path(file).suffix, open)(file, "rb")
+
+
+def local_files(spec: str) -> list[str]:
+    """Every data file of a local path: the file, the glob's matches (data or not: check_source names the others)
+    or the folder's data files."""
+    return sorted({f for files in split_files(spec).values() for f in files})
+
+
+def split_files(spec: str) -> dict[str, list[str]]:
+    """{split: files} of a local path, in datasets' order of splits (train, validation, test, then by name)."""
+    path = Path(os.path.expanduser(spec))
+    if not path.is_dir():
+        return {"train": sorted(glob.glob(os.path.expanduser(spec)))}
+    files = _folder_data_files(path)
+    by_split = _by_shard_name(files) or _by_keyword(files, _in_folder_name) or _by_keyword(files, _in_file_name)
+    by_split = by_split or {"train": files}
+    named = [s for s in SPLIT_KEYWORDS if s in by_split] + sorted(set(by_split) - set(SPLIT_KEYWORDS))
+    return {split: [str(path / f) for f in sorted(by_split[split])] for split in named}
+
+
+def _folder_data_files(folder: Path) -> list[str]:
+    """Data files under `folder`, relative to it with '/', skipping what datasets' resolver skips."""
+    found, seen = [], 0
+    for where, dirs, names in os.walk(folder):
+        seen += len(names) + 1
+        if seen > MAX_FOLDER_ENTRIES:
+            raise TooManyFiles(MAX_FOLDER_ENTRIES)
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        rel = Path(where).relative_to(folder)
+        found += [
+            (rel / n).as_posix()
+            for n in names
+            if not n.startswith(".") and n not in NOT_DATA and kind_of(n) is not None
+        ]
+    return found
+
+
+def _by_shard_name(files: list[str]) -> dict[str, list[str]]:
+    shards: dict[str, list[str]] = {}
+    for f in files:
+        if (m := _SHARD.fullmatch(f)) and _SPLIT_NAME.fullmatch(m.group(1)):
+            shards.setdefault(m.group(1), []).append(f)
+    return shards
+
+
+def _by_keyword(files: list[str], named) -> dict[str, list[str]]:
+    """{split: files whose path names it by `named`}; a file may name two splits, as in datasets."""
+    found = {split: [f for f in files if any(named(f, k) for k in words)] for split, words in SPLIT_KEYWORDS.items()}
+    return {split: fs for split, fs in found.items() if fs}
+
+
+def _in_folder_name(file: str, keyword: str) -> bool:
+    return any(re.fullmatch(f"(.*{_SEP})?{keyword}({_SEP}.*)?", d) for d in file.split("/")[:-1])
+
+
+def _in_file_name(file: str, keyword: str) -> bool:
+    return re.fullmatch(f"(.*{_SEP})?{keyword}{_SEP}.*", file.rsplit("/", 1)[-1]) is not None
+
+
+def split_names(expression: str) -> list[str]:
+    """The splits a split expression reads ('train[:90%]+validation' -> ['train', 'validation'])."""
+    return [part.partition("[")[0].strip() for part in expression.split("+")]
