@@ -189,7 +189,9 @@ class DataConfig(Section):
         ".xz compressed or not), or a save_to_disk folder. A folder's splits are its files' names as `datasets` reads "
         "them (train.jsonl, test.jsonl; data/train-00000-of-00001.parquet); a file or glob is split train.",
     )
-    config_name: str | None = Field(None, description="Hub dataset config name.")
+    config_name: str | None = Field(
+        None, description="A hub dataset's config, or one that a local folder's dataset card (README.md) lists."
+    )
     split: str = Field("train[:1%]", description="Split with the `datasets` slicing syntax.")
     text_field: str = Field("text", description="Column holding the text to train on (format text).")
     format: Literal["auto", "text", "chat", "prompt_completion"] = Field(

@@ -29,6 +29,7 @@ from app.config import DataConfig
 from app.data_files import (
     LOCAL_BUILDERS,
     TooManyFiles,
+    UnknownConfig,
     is_local,
     kind_of,
     open_data,
@@ -65,7 +66,9 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
     if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
         return _saved_problems(cfg, model)
     try:
-        by_split = split_files(cfg.dataset)
+        by_split = split_files(cfg.dataset, cfg.config_name)
+    except UnknownConfig as exc:
+        return [config_problem(cfg, *exc.args)]
     except TooManyFiles as exc:
         return [
             Problem(
@@ -108,6 +111,27 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
     files = [f for name in _splits_read(cfg) for f in by_split.get(name, [])] or everything
     chat_problems = _chat_sample_problems(cfg, files, kind, model)
     return _sample_problems(cfg, files, kind) if chat_problems is None else chat_problems
+
+
+def config_problem(cfg: DataConfig, asked: str | None, listed: list[str]) -> Problem:
+    if not listed:
+        return Problem(
+            "data.config_name",
+            asked,
+            f"names a config of a hub dataset or of a folder's dataset card (README.md); {cfg.dataset} has none",
+            "remove data.config_name",
+        )
+    card = Path(os.path.expanduser(cfg.dataset)) / "README.md"
+    if asked is None:
+        return Problem(
+            "data.config_name",
+            None,
+            f"{card} lists configs {listed} and marks none default",
+            "set data.config_name to one of them",
+        )
+    guess = difflib.get_close_matches(asked, listed, n=1)
+    fix = f"did you mean '{guess[0]}'?" if guess else f"use one of {listed}"
+    return Problem("data.config_name", asked, f"no such config in {card}; it lists {listed}", fix)
 
 
 def _splits_read(cfg: DataConfig) -> list[str]:
@@ -407,7 +431,7 @@ def load_split(cfg: DataConfig, split: str):
                 base = loaded[name]
                 return base if not rest else datasets.concatenate_datasets([base]).select(_slice(len(base), rest))
             return loaded
-        by_split = split_files(cfg.dataset)
+        by_split = split_files(cfg.dataset, cfg.config_name)
         # Only the splits read: datasets converts every split it is given (a folder's test split too).
         given = {name: by_split[name] for name in split_names(split) if name in by_split} or by_split
         files = [f for fs in given.values() for f in fs]
@@ -456,13 +480,13 @@ def _slice(n: int, spec: str) -> range:
     return range(pos(lo, 0), min(pos(hi, n), n))
 
 
-def row_location(dataset: str, split: str | None, index: int) -> str:
+def row_location(dataset: str, split: str | None, index: int, config: str | None = None) -> str:
     """Where row `index` of a split comes from, for error messages: 'FILE line N' (JSON Lines) or 'FILE row N'
     (parquet) for local files, else its place in the split. Read only when a row is refused."""
     fallback = f"row {index + 1} of split {split}" if split else f"row {index + 1}"
     if split is None or not is_local(dataset) or _saved_dataset(Path(os.path.expanduser(dataset))):
         return fallback
-    files = split_files(dataset).get(split_names(split)[0], [])
+    files = split_files(dataset, config).get(split_names(split)[0], [])
     if not files or kind_of(files[0]) not in ("json", "parquet"):
         return fallback
     places = [(file, place) for file in files for place in _row_places(file)]
@@ -509,7 +533,7 @@ def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
     if (fmt := chat.resolve_format(cfg.format, raw.column_names)) != "text":
         # A split numbered by prepare() is the training split; one numbered here is the eval split.
         split = cfg.split if chat.ROW in raw.column_names else cfg.eval_split
-        locate = functools.partial(row_location, cfg.dataset, split)
+        locate = functools.partial(row_location, cfg.dataset, split, config=cfg.config_name)
         if chat.ROW not in raw.column_names:
             raw = raw.add_column(chat.ROW, list(range(len(raw))))
         out = chat.tokenize(raw, tokenizer, cfg, fmt, locate, num_proc)

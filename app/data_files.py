@@ -1,7 +1,10 @@
 """Local data files as `datasets` reads them: which files a path or glob names, their kind (json, csv, parquet,
 text; compressed with gzip, bzip2 or xz or not), and which split each file belongs to.
 
-A folder is split the way `datasets.load_dataset(folder)` splits it (datasets' `data_files.get_data_patterns`):
+A folder is split the way `datasets.load_dataset(folder, config_name)` splits it. A dataset card (README.md)
+whose YAML header lists `configs`, as every hub dataset downloaded with `hf download` has, names each config's
+files by split (`data_files`) or its folder (`data_dir`); data.config_name picks one, else the card's default
+(`default: true`, the one named `default`, or the only one). Without those (datasets' `get_data_patterns`):
 the hub's shard names (`data/train-00000-of-00002.parquet`) give the splits; else split keywords in directory
 names, then in file names (train/training; validation/valid/dev/val; test/testing/eval/evaluation, each standing
 alone between `-._ 0-9` or the path's ends); else every file is `train`. A single file or a glob is `train`.
@@ -19,6 +22,8 @@ import os
 import re
 from pathlib import Path
 from typing import IO
+
+import yaml
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 # Compression `datasets` undoes on reading (by the suffix), for the kinds that are a stream of bytes.
@@ -40,6 +45,10 @@ MAX_FOLDER_ENTRIES = 200_000
 
 class TooManyFiles(Exception):
     """args: (the limit,)."""
+
+
+class UnknownConfig(ValueError):
+    """args: (the config asked for or None, the configs the folder's card lists)."""
 
 
 def is_local(spec: str) -> bool:
@@ -66,16 +75,88 @@ def local_files(spec: str) -> list[str]:
     return sorted({f for files in split_files(spec).values() for f in files})
 
 
-def split_files(spec: str) -> dict[str, list[str]]:
-    """{split: files} of a local path, in datasets' order of splits (train, validation, test, then by name)."""
+def split_files(spec: str, config: str | None = None) -> dict[str, list[str]]:
+    """{split: files} of a local path, in datasets' order of splits (train, validation, test, then by name), for
+    the folder's `config` (data.config_name); UnknownConfig when the folder's card does not list that config, or
+    lists several and marks none default."""
     path = Path(os.path.expanduser(spec))
     if not path.is_dir():
+        if config is not None:
+            raise UnknownConfig(config, [])
         return {"train": sorted(glob.glob(os.path.expanduser(spec)))}
+    configs = card_configs(path)
+    if not configs and config is not None:
+        raise UnknownConfig(config, [])
+    if configs:
+        chosen = _chosen(configs, config)
+        if chosen.get("data_files") is not None:
+            return _ordered(path, _card_data_files(path, chosen["data_files"]))
+        path = path / str(chosen.get("data_dir") or "")
+    return _ordered(path, _by_names(path))
+
+
+def _by_names(path: Path) -> dict[str, list[str]]:
+    """A folder's files by split, from their names (the module's docstring)."""
     files = _folder_data_files(path)
     by_split = _by_shard_name(files) or _by_keyword(files, _in_folder_name) or _by_keyword(files, _in_file_name)
-    by_split = by_split or {"train": files}
+    return by_split or {"train": files}
+
+
+def _ordered(path: Path, by_split: dict[str, list[str]]) -> dict[str, list[str]]:
     named = [s for s in SPLIT_KEYWORDS if s in by_split] + sorted(set(by_split) - set(SPLIT_KEYWORDS))
     return {split: [str(path / f) for f in sorted(by_split[split])] for split in named}
+
+
+def card_configs(folder: Path) -> dict[str, dict]:
+    """{name: params} of the `configs` in the YAML header of the folder's dataset card (README.md); {} without."""
+    try:
+        lines = (folder / "README.md").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return {}
+    if not lines or lines[0] != "---" or "---" not in lines[1:]:
+        return {}
+    try:
+        header = yaml.safe_load("\n".join(lines[1 : lines.index("---", 1)]))
+    except yaml.YAMLError:
+        return {}  # datasets refuses such a card itself; its files are then read by their names
+    configs = header.get("configs") if isinstance(header, dict) else None
+    if not isinstance(configs, list):
+        return {}
+    return {c["config_name"]: c for c in configs if isinstance(c, dict) and isinstance(c.get("config_name"), str)}
+
+
+def _chosen(configs: dict[str, dict], name: str | None) -> dict:
+    """datasets' choice: the config asked for, else the only one, the one named `default` or marked `default`."""
+    if name is None:
+        defaults = [n for n, c in configs.items() if len(configs) == 1 or n == "default" or c.get("default") is True]
+        name = defaults[0] if len(defaults) == 1 else None
+    if name not in configs:
+        raise UnknownConfig(name, sorted(configs))
+    return configs[name]
+
+
+def _card_data_files(folder: Path, data_files) -> dict[str, list[str]]:
+    """A card config's `data_files` (a pattern, a list of them, or a list of {split, path}) resolved under the
+    folder, data files only."""
+    if isinstance(data_files, (str, list)) and not any(isinstance(d, dict) for d in data_files):
+        by_split = {"train": [data_files] if isinstance(data_files, str) else data_files}
+    elif isinstance(data_files, list):
+        by_split = {d.get("split"): d.get("path") for d in data_files if isinstance(d, dict)}
+    else:
+        by_split = dict(data_files) if isinstance(data_files, dict) else {}
+    out = {}
+    for split, patterns in by_split.items():
+        patterns = [patterns] if isinstance(patterns, str) else patterns if isinstance(patterns, list) else []
+        files = {
+            f
+            for p in patterns
+            if isinstance(p, str)
+            for f in glob.glob(p, root_dir=folder, recursive=True)
+            if kind_of(f) is not None and Path(f).name not in NOT_DATA and (folder / f).is_file()
+        }
+        if isinstance(split, str) and files:
+            out[split] = sorted(files)
+    return out
 
 
 def _folder_data_files(folder: Path) -> list[str]:

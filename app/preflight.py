@@ -269,7 +269,7 @@ def split_sizes(cfg: TrainingConfig) -> dict[str, int] | None:
             return None
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         return {name: _saved_rows(path / name) for name in splits}
-    by_split = data_files.split_files(spec)
+    by_split = data_files.split_files(spec, cfg.data.config_name)
     files = [f for fs in by_split.values() for f in fs]
     kinds = {data_files.kind_of(f) for f in files}
     if not files or len(kinds) != 1 or None in kinds or sum(map(_weight, files)) > COUNT_BYTES:

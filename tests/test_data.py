@@ -155,6 +155,65 @@ def test_a_folder_splits_as_datasets_splits_it(tmp_path, layout):
     assert list(data_files.split_files(str(tmp_path))) == list(expected)  # train, validation, test, others
 
 
+CARD = """---
+license: mit
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+- config_name: by_folder
+  data_dir: sub
+- config_name: one_pattern
+  data_files: "*/test-*.jsonl"
+---
+# A card as `hf download` leaves it
+"""
+
+
+@pytest.mark.parametrize("config", ["main", "socratic", "by_folder", "one_pattern"])
+def test_a_downloaded_hub_folder_reads_its_cards_config_as_datasets_does(tmp_path, config):
+    """A hub dataset downloaded with its card: each config's files are those datasets.load_dataset(folder, config)
+    reads (gsm8k's main and socratic configs, in one folder, are never mixed)."""
+    import datasets
+
+    from app import data_files
+
+    for name in [
+        "main/train-00000-of-00001.jsonl",
+        "main/test-00000-of-00001.jsonl",
+        "socratic/train-0.jsonl",
+        "sub/train.jsonl",
+        "sub/validation.jsonl",
+        "sub/other/test.jsonl",
+    ]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    (tmp_path / "README.md").write_text(CARD)
+    theirs = datasets.load_dataset_builder(str(tmp_path), config).config.data_files
+    expected = {split: sorted(str(f) for f in files) for split, files in theirs.items()}
+    assert data_files.split_files(str(tmp_path), config) == expected
+
+
+def test_a_config_the_folder_does_not_have_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "main").mkdir()
+    (tmp_path / "main" / "train-0.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "README.md").write_text(CARD)
+    wrong = data.check_source(DataConfig(dataset=str(tmp_path), config_name="mian"))
+    assert [(p.field, p.fix) for p in wrong] == [("data.config_name", "did you mean 'main'?")]
+    several = data.check_source(DataConfig(dataset=str(tmp_path)))
+    assert [p.field for p in several] == ["data.config_name"] and "marks none default" in str(several[0])
+    (tmp_path / "README.md").unlink()
+    none = data.check_source(DataConfig(dataset=str(tmp_path), config_name="main"))
+    assert [(p.field, p.fix) for p in none] == [("data.config_name", "remove data.config_name")]
+
+
 def test_a_folder_trains_on_its_train_split_only(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(f'{{"text": "train row {i}"}}\n' for i in range(6)))
     (tmp_path / "test.jsonl").write_text("".join(f'{{"text": "test row {i}"}}\n' for i in range(4)))
