@@ -13,7 +13,8 @@ Tool use is data like any other turn: an assistant turn's `tool_calls` (OpenAI's
 the schemas is refused, as the model would learn calls it never sees. Prompt/completion rows whose prompt and
 completion are lists of messages (TRL's conversational form) render as one conversation whose targets are the
 completion's assistant turns. ShareGPT rows (a `conversations` column of `{from, value}` turns, as axolotl and
-LLaMA-Factory datasets have them: human, gpt, system, function_call, observation) are chat rows too.
+LLaMA-Factory datasets have them: human, gpt, system, function_call, observation) are chat rows too, and so are
+Alpaca's and Dolly's instruction columns (a user turn and the answer).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ FORMATS = ("text", "chat", "prompt_completion")
 COLUMNS = {"text": (), "chat": ("messages", "conversations"), "prompt_completion": ("prompt", "completion")}
 # ShareGPT's speakers as roles; function_call is an assistant turn whose value is the call's JSON.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", "function_call": "assistant"}
+# Alpaca's columns (instruction, input, output) and Dolly's (instruction, context, response) are a chat row too: a
+# user turn (the instruction, then the input after a blank line when there is one) and the assistant's answer,
+# after a system turn when the row has a `system` column (LLaMA-Factory reads Alpaca data the same way).
+INSTRUCTION, INSTRUCTION_INPUTS, INSTRUCTION_ANSWERS = "instruction", ("input", "context"), ("output", "response")
+INSTRUCTION_COLUMNS = (INSTRUCTION, *INSTRUCTION_INPUTS, *INSTRUCTION_ANSWERS, "system")
 TOOLS = "tools"  # an optional column of conversations: the function schemas the template shows the model
 ROLES = ("system", "user", "assistant", "tool")
 ROW = "__source_row"  # each row's index in its split, kept through the eval split, for error messages
@@ -145,7 +151,14 @@ def resolve_format(fmt: str, columns: list[str]) -> str:
         return "chat"
     if "prompt" in columns and "completion" in columns:
         return "prompt_completion"
+    if INSTRUCTION in columns and any(c in columns for c in INSTRUCTION_ANSWERS):
+        return "chat"
     return "text"
+
+
+def columns_read(fmt: str) -> tuple[str, ...]:
+    """The columns a row of this format is made of (a chat row's turns are in one of them, or Alpaca's)."""
+    return (*COLUMNS[fmt], *INSTRUCTION_COLUMNS) if fmt == "chat" else COLUMNS[fmt]
 
 
 # The version of the chat blocks in a tokenized cache: v2 packs best fit decreasing; v1 packed in order, and an
@@ -349,11 +362,24 @@ def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def turns_of(row: dict[str, Any]) -> tuple[str, Any]:
-    """(the column, the turns) of a chat row: `messages`, else ShareGPT's `conversations`."""
+    """(the column, the turns) of a chat row: `messages`, else ShareGPT's `conversations`, else Alpaca's columns."""
     for column in COLUMNS["chat"]:
         if row.get(column) is not None:
             return column, row[column]
+    if row.get(INSTRUCTION) is not None:
+        return INSTRUCTION, _instruction_turns(row)
     return COLUMNS["chat"][0], None
+
+
+def _instruction_turns(row: dict[str, Any]) -> list[dict[str, Any]]:
+    instruction = row[INSTRUCTION]
+    given = next((row[c] for c in INSTRUCTION_INPUTS if row.get(c) is not None), None)
+    if isinstance(instruction, str) and isinstance(given, str) and given.strip():
+        instruction = f"{instruction}\n\n{given}"
+    turns = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    turns.append({"role": "user", "content": instruction})
+    answer = next((row[c] for c in INSTRUCTION_ANSWERS if row.get(c) is not None), None)
+    return turns + ([{"role": "assistant", "content": answer}] if answer is not None else [])
 
 
 def _role_content(message):

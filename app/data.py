@@ -162,15 +162,16 @@ def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -
             continue
         try:
             columns, *_ = _read_sample(file, kind, "messages")
-            values = {c: _read_sample(file, kind, c)[1] for c in (*chat.COLUMNS[fmt], chat.TOOLS) if c in columns}
+            values = {c: _read_sample(file, kind, c)[1] for c in (*chat.columns_read(fmt), chat.TOOLS) if c in columns}
         except ValueError as exc:
             return [Problem("data.dataset", file, f"cannot be read as {kind}: {str(exc)[:200]}", "fix the file")]
-        if not set(values) & set(chat.COLUMNS[fmt]):
+        turns = chat.COLUMNS[fmt] + ((chat.INSTRUCTION,) if fmt == "chat" else ())
+        if not set(values) & set(turns):
             return [
                 Problem(
                     "data.format",
                     cfg.format,
-                    f"{file} has no column {' or '.join(map(repr, chat.COLUMNS[fmt]))}; its columns are {columns}",
+                    f"{file} has no column {' or '.join(map(repr, turns))}; its columns are {columns}",
                     "set data.format to the format of the data (text reads data.text_field)",
                 )
             ]

@@ -418,6 +418,34 @@ def test_sharegpt_rows_train_as_their_chat_form(tok, tmp_path):
         assert int(row["attention_mask"].sum()) == len(ids)
 
 
+def test_alpaca_and_dolly_rows_train_as_their_chat_form(tok, tmp_path):
+    """Alpaca's (instruction, input, output) and Dolly's (instruction, context, response) columns, with format auto:
+    a user turn of the instruction and its input after a blank line (no blank line without input), the answer an
+    assistant turn (the only targets), after a system turn when the row has one."""
+    rows = [
+        {"instruction": "Who won?", "input": "Home 2, away 1.", "output": "The home team.", "system": "Be brief."},
+        {"instruction": "Name a colour.", "input": "", "output": "Red.", "system": None},
+    ]
+    assert chat.resolve_format("auto", ["instruction", "input", "output"]) == "chat"
+    assert chat.resolve_format("auto", ["instruction", "context", "response", "category"]) == "chat"
+    assert chat.resolve_format("auto", ["instruction", "text"]) == "text"  # no answer column: not Alpaca's
+    expected = [
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Who won?\n\nHome 2, away 1."},
+            {"role": "assistant", "content": "The home team."},
+        ],
+        [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red."}],
+    ]
+    dolly = [{"instruction": r["instruction"], "context": r["input"], "response": r["output"]} for r in rows[1:]]
+    for given, wanted in [(rows, expected), (dolly, expected[1:])]:
+        cfg, ds = tokenized(tok, tmp_path, given, seq_length=512, packing=False, chat_template="zephyr")
+        assert data.check_source(cfg) == []
+        for row, messages in zip(ds, wanted, strict=True):
+            ids, labels, _ = chat.encode_chat(messages, chat.TEMPLATES["zephyr"], tok, False)
+            assert row["input_ids"][: len(ids)].tolist() == ids and row["labels"][: len(ids)].tolist() == labels
+
+
 BAD_ROWS = [
     ({"text": "no messages"}, "has no 'messages'"),
     ({"messages": [{"role": "bot", "content": "hi"}]}, "message 0 has role 'bot'"),
@@ -434,10 +462,12 @@ BAD_ROWS = [
     ({"prompt": [ASK], "completion": [{"role": "user", "content": "?"}]}, "no assistant turn in 'completion'"),
     ({"conversations": [{"from": "bot", "value": "hi"}]}, "message 0 has role 'bot'"),
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "{oops"}]}, "'{oops'"),
+    ({"instruction": "Add 2 and 2.", "input": "", "output": 4}, "message 1 (assistant) has content 4, not text"),
+    ({"instruction": "Add 2 and 2.", "input": "", "output": None}, "has no assistant turn"),
 ]
 BAD_IDS = ["no-messages", "role", "content", "empty", "no-assistant", "call-by-user", "call-name", "arguments"]
 BAD_IDS += ["no-content", "tools-json", "tools-names", "mixed-prompt-completion", "completion-no-assistant"]
-BAD_IDS += ["sharegpt-from", "sharegpt-call"]
+BAD_IDS += ["sharegpt-from", "sharegpt-call", "alpaca-output", "alpaca-no-output"]
 
 
 @pytest.mark.parametrize("row,message", BAD_ROWS, ids=BAD_IDS)
