@@ -70,15 +70,26 @@ def all_linear(model) -> list[str]:
     return sorted(found - ROUTERS - {"lm_head"})
 
 
+def transposed_weights(model, targets: list[str]) -> bool:
+    """Whether every targeted layer keeps its weight transposed (transformers' Conv1D: GPT-2, GPT-BigCode), which
+    PEFT calls fan_in_fan_out; it would find that out itself, with a warning in the run's log for each layer."""
+    from transformers.pytorch_utils import Conv1D
+
+    layers = [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in targets]
+    return bool(layers) and all(isinstance(m, Conv1D) for m in layers)
+
+
 def wrap(model, cfg, base: str):
     """The PeftModel of `model` with LoRA adapters per `cfg` (model.lora); logs how many parameters train."""
     from peft import LoraConfig, get_peft_model
 
+    targets = target_modules(model, cfg.target_modules)
     config = LoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=target_modules(model, cfg.target_modules),
+        target_modules=targets,
+        fan_in_fan_out=transposed_weights(model, targets),
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
     )
