@@ -187,6 +187,14 @@ def template_of(cfg, tokenizer) -> str:
     )
 
 
+def keep_template(tokenizer, cfg) -> None:
+    """The tokenizer that checkpoints and the final model are saved with carries data.chat_template: the model is
+    then prompted as it was trained (apply_chat_template, vLLM and TGI read it from tokenizer_config.json), where a
+    base tokenizer had none or another."""
+    if cfg.chat_template:
+        tokenizer.chat_template = template_of(cfg, tokenizer)
+
+
 def template_name(cfg) -> str:
     if not cfg.chat_template:
         return "the tokenizer's"

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import attention, checkpoint, data, faults, logs, lora, opbuild, preemption, profiling
+from app import attention, chat, checkpoint, data, faults, logs, lora, opbuild, preemption, profiling
 from app.config import TrainConfig, TrainingConfig
 from app.ds_config import plain_bf16
 from app.errors import Problem
@@ -54,6 +54,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     # Data: tokenized once into the shared cache, then a loader that can start mid-epoch.
     tokenizer = load_tokenizer(cfg.model)
+    chat.keep_template(tokenizer, cfg.data)
     batches = Batches.prepare(cfg, tokenizer, rank, world)
     policy = SavePolicy.of(cfg, batches.sequences, world)
 

@@ -68,7 +68,9 @@ def test_only_the_adapters_train_and_are_checkpointed(zero3, tiny_model):
 
 def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model, tmp_path):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app import chat
 
     storage, *_ = zero3
     final = storage / "resumed" / "final"
@@ -81,6 +83,11 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
         a, b, untrained = (m(ids).logits.float() for m in (merged.eval(), adapted, base.eval()))
     assert not torch.allclose(a, untrained, atol=5e-2)  # the adapters changed the model
     assert torch.allclose(a, b, atol=5e-2), (a - b).abs().max()  # bf16 merged against fp32 base + adapter
+    # The base tokenizer has no chat template: final/ has the one the run trained with (data.chat_template).
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert tokenizer.chat_template == chat.TEMPLATES["zephyr"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert tokenizer.decode(prompt) == "<|user|>\nHi<|endoftext|>\n<|assistant|>\n"
     # `finetune export` of the LoRA checkpoint, with no GPU visible: the same folder as final/.
     last = sorted((storage / "resumed" / "checkpoints").iterdir())[-1]
     done = run_cli("export", str(last), str(tmp_path / "out"), env={"CUDA_VISIBLE_DEVICES": ""})
