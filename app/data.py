@@ -88,6 +88,8 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
                 "check the path or glob",
             )
         ]
+    if special := [f for f in everything if not os.path.isfile(f)]:  # a FIFO would block the reads for ever
+        return [Problem("data.dataset", cfg.dataset, f"{special[0]} is not a file", "point it at data files only")]
     if unknown := [f for f in everything if kind_of(f) is None]:
         return [
             Problem(

@@ -171,7 +171,7 @@ def _folder_data_files(folder: Path) -> list[str]:
         found += [
             (rel / n).as_posix()
             for n in names
-            if not n.startswith(".") and n not in NOT_DATA and kind_of(n) is not None
+            if not n.startswith(".") and n not in NOT_DATA and kind_of(n) is not None and os.path.isfile(Path(where, n))
         ]
     return found
 

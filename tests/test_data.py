@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import CORPUS
@@ -248,6 +250,9 @@ def test_compressed_and_byte_order_marked_files_read_as_datasets_reads_them(tmp_
     (tmp_path / "e.jsonl.gz").write_bytes(b"not gzip at all")
     problem = data.check_source(DataConfig(dataset=str(tmp_path / "e.jsonl.gz")))[0]
     assert problem.field == "data.dataset" and "cannot be decompressed" in str(problem)
+    os.mkfifo(tmp_path / "g.jsonl")  # reading one would wait for a writer for ever
+    problem = data.check_source(DataConfig(dataset=str(tmp_path / "g.jsonl")))[0]
+    assert "g.jsonl is not a file" in str(problem)
     (tmp_path / "f.parquet.gz").write_bytes(b"x")
     problem = data.check_source(DataConfig(dataset=str(tmp_path / "*.gz")))[0]
     assert "f.parquet.gz is not a data file" in str(problem)
