@@ -72,6 +72,8 @@ def model_folder_problems(folder: Path, value: str, random_init: bool) -> list[P
         what = "is a file, not a folder" if folder.exists() else "no such folder"
         return [Problem(field, value, what, "point it at a from_pretrained folder (config.json and weights)")]
     if not (folder / "config.json").is_file():
+        if (folder / "adapter_config.json").is_file():
+            return [_adapter_problem(folder, value)]
         return [Problem(field, value, "the folder has no config.json", "point it at a from_pretrained folder")]
     if random_init:
         return []  # random-init: builds from config.json alone
@@ -89,6 +91,22 @@ def model_folder_problems(folder: Path, value: str, random_init: bool) -> list[P
             )
         ]
     return _safetensors_problems(single[0], value)
+
+
+def _adapter_problem(folder: Path, value: str) -> Problem:
+    """A PEFT adapter (final/adapter/ of a LoRA run) is no model: its base, or the merged model, is."""
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    merged = folder.parent if (folder.parent / "config.json").is_file() else None
+    where = f"its base model ({base})" if isinstance(base, str) and base else "its base model"
+    return Problem(
+        "model.name_or_path",
+        value,
+        "is a LoRA adapter (adapter_config.json), not a model",
+        f"point it at {where}" + (f", or at the merged model beside it ({merged})" if merged else ""),
+    )
 
 
 def _index_problems(folder: Path, index: str, value: str) -> list[Problem]:

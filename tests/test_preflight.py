@@ -53,6 +53,13 @@ def _truncate(folder: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:-100])
 
 
+def _adapter(path: Path, _model: Path) -> None:
+    """final/adapter/ of a LoRA run, as PEFT writes it."""
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "gpt2"}))
+    (path / "adapter_model.safetensors").write_bytes(b"x")
+
+
 def _gpt2_vocab_only(folder: Path) -> None:
     (folder / "tok").mkdir()
     (folder / "tok" / "vocab.json").write_text("{}")
@@ -115,6 +122,7 @@ CASES = {
     ),
     "config.json but no weights": ([M], {"m": _model(["model.safetensors"])}, ("model.name_or_path", "random-init")),
     "weights but no config.json": ([M], {"m": _model(["config.json"])}, ("model.name_or_path", "from_pretrained")),
+    "a LoRA adapter's folder": ([M], {"m": _adapter}, ("model.name_or_path", "point it at its base model (gpt2)")),
     "model path is a file": (["model.name_or_path={tmp}/f"], {"f": b"x"}, ("model.name_or_path", "from_pretrained")),
     "sharded index, one shard missing": (
         [M],
