@@ -6,7 +6,6 @@ RayJob's entrypoint runs this on the head and Ray connects to the cluster.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import importlib.util
 import json
@@ -344,30 +343,10 @@ def start_ray(cfg: TrainingConfig) -> None:
         os.environ.update(worker_env(cfg))  # the local cluster's workers inherit this process's environment
         needed = int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1
         log.info("starting a local Ray cluster (about 10-20 s)")
-        with _no_api_server():
-            ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
     logs.after_ray_init()
     _create_autoscaling_coordinator()
     _ray_marks["ray_started"] = time.time()
-
-
-@contextlib.contextmanager
-def _no_api_server():
-    """A local cluster without its head's API server. Ray starts that process (dashboard.py) even with
-    include_dashboard=False, where it serves nothing but Ray's usage statistics, and waits for it before it starts
-    the raylet: ray.init took 2.1-3.0 s without it against 3.8 s with it on the 2-core CPU machine (3 runs each,
-    alternated). Ray internals: if they change shape, the server starts as before."""
-    import ray._private.services as services
-
-    original = getattr(services, "start_api_server", None)
-    if original is None:
-        yield
-        return
-    services.start_api_server = lambda *args, **kwargs: (None, None)  # (its URL, its process): none
-    try:
-        yield
-    finally:
-        services.start_api_server = original
 
 
 def _create_autoscaling_coordinator() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -218,31 +217,6 @@ def test_a_random_init_model_is_built_on_the_workers_gpu_unless_zero3_partitions
     assert isinstance(random_init_device(zero3=True), contextlib.nullcontext)  # zero.Init places it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert isinstance(random_init_device(zero3=False), contextlib.nullcontext)
-
-
-def test_a_local_cluster_starts_without_the_api_server_and_runs_tasks(monkeypatch, tmp_path):
-    """The head's API server (dashboard.py) serves only usage statistics here; ray.init waits for it."""
-    import ray
-    from ray._private import ray_constants
-
-    from app import driver
-    from app.config import parse
-
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    cfg = parse({"experiment": {"storage_path": str(tmp_path)}, "scaling": {"num_workers": 1, "use_gpu": False}})
-    for name in driver.worker_env(cfg):  # start_ray hands them to the local cluster through this process
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    driver.start_ray(cfg)
-    try:
-        processes = ray._private.worker._global_node.all_processes
-        assert ray_constants.PROCESS_TYPE_RAYLET in processes
-        assert ray_constants.PROCESS_TYPE_DASHBOARD not in processes
-        assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42
-    finally:
-        ray.shutdown()
-    import ray._private.services as services
-
-    assert services.start_api_server.__name__ == "start_api_server"  # Ray's own again
 
 
 def test_ray_trains_controller_gets_a_backend_config_without_torch():
