@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from app import config as config_mod
-from app import logs, ops, preemption
+from app import data_files, logs, ops, preemption
 from app.config import ConfigError, Problem
 from app.errors import seconds
 from app.lease import LeaseHeld
@@ -303,8 +303,11 @@ def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     t, s = cfg.train, cfg.scaling
     steps = f"{t.max_steps_per_epoch} steps" if t.max_steps_per_epoch else "all batches"
     zero = ds.get("zero_optimization", {}).get("stage", 0)
+    d = cfg.data
+    splits = data_files.folder_splits(d.dataset, d.config_name, d.split)
     return (
-        f"model: {cfg.model.name_or_path}   data: {cfg.data.dataset} ({cfg.data.seq_length} tokens/sequence)\n"
+        f"model: {cfg.model.name_or_path}   data: {d.dataset} ({splits + '; ' if splits else ''}"
+        f"{d.seq_length} tokens/sequence)\n"
         f"train: {t.epochs} epoch(s) x {steps}, {s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, ZeRO-{zero}, "
         f"{t.precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
         f"{ds.get('gradient_accumulation_steps')}, lr {t.learning_rate:g} ({t.lr_scheduler})"

@@ -201,3 +201,21 @@ def _in_file_name(file: str, keyword: str) -> bool:
 def split_names(expression: str) -> list[str]:
     """The splits a split expression reads ('train[:90%]+validation' -> ['train', 'validation'])."""
     return [part.partition("[")[0].strip() for part in expression.split("+")]
+
+
+def folder_splits(spec: str, config: str | None, expression: str) -> str | None:
+    """For the run's summary, a folder's files as this run reads them ('train: 3 files; also in the folder:
+    validation, test'), or None for anything but a folder of data files."""
+    path = Path(os.path.expanduser(spec))
+    if not path.is_dir() or (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+        return None
+    try:
+        by_split = split_files(spec, config)
+    except (UnknownConfig, TooManyFiles, OSError):
+        return None
+    read = [name for name in split_names(expression) if name in by_split]
+    files = sum(len(by_split[name]) for name in read)
+    others = [name for name in by_split if name not in read]
+    return f"{'+'.join(read) or expression}: {files} file{'s' * (files != 1)}" + (
+        f"; also in the folder: {', '.join(others)}" if others else ""
+    )

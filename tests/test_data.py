@@ -225,6 +225,11 @@ def test_a_folder_trains_on_its_train_split_only(tmp_path):
     assert data.load_split(cfg, "test")["text"] == [f"test row {i}" for i in range(4)]
     assert len(data.load_split(cfg, "train[:50%]+test")) == 7
     assert data.row_location(str(tmp_path), "test", 2) == f"{tmp_path / 'test.jsonl'} line 3"
+    from app.data_files import folder_splits  # the run's summary line says what it reads
+
+    assert folder_splits(str(tmp_path), None, "train[:50%]") == "train: 1 file; also in the folder: test"
+    assert folder_splits(str(tmp_path), None, "train+test") == "train+test: 2 files"
+    assert folder_splits(str(tmp_path / "train.jsonl"), None, "train") is None
 
 
 def test_compressed_and_byte_order_marked_files_read_as_datasets_reads_them(tmp_path):
