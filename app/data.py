@@ -35,6 +35,7 @@ from app.data_files import (
     open_data,
     split_files,
     split_names,
+    url_scheme,
 )
 from app.errors import Problem, _short
 
@@ -52,6 +53,16 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
     """What can be checked about the data source before any worker starts: that it exists, and, for local data,
     its columns and a sample of its rows (chat rows rendered with the tokenizer of `model`, a ModelConfig)."""
     if not is_local(cfg.dataset):
+        if scheme := url_scheme(cfg.dataset):
+            return [
+                Problem(
+                    "data.dataset",
+                    cfg.dataset,
+                    f"is a URL ({scheme}://), which the app does not read",
+                    "copy the files onto the shared volume and point data.dataset at that folder, or give a hub "
+                    "dataset's name (owner/name)",
+                )
+            ]
         if looks_like_path(cfg.dataset):
             return [
                 Problem(

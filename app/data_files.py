@@ -55,6 +55,12 @@ def is_local(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~")) or bool(glob.glob(os.path.expanduser(spec)))
 
 
+def url_scheme(spec: str) -> str | None:
+    """'s3' for s3://bucket/data: remote storage, which the app does not read (the workers read local paths)."""
+    found = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*)://", spec)
+    return found.group(1) if found else None
+
+
 def kind_of(file: str) -> str | None:
     """The `datasets` builder that reads `file` (json for data.jsonl.gz), or None for a file that is no data."""
     path = Path(file)

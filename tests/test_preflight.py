@@ -122,6 +122,12 @@ CASES = {
     ),
     "config.json but no weights": ([M], {"m": _model(["model.safetensors"])}, ("model.name_or_path", "random-init")),
     "weights but no config.json": ([M], {"m": _model(["config.json"])}, ("model.name_or_path", "from_pretrained")),
+    "a model at a URL": (
+        ["model.name_or_path=s3://bucket/llama"],
+        {},
+        ("model.name_or_path", "onto the shared volume"),
+    ),
+    "data at a URL": (["data.dataset=gs://bucket/train.jsonl"], {}, ("data.dataset", "onto the shared volume")),
     "a LoRA adapter's folder": ([M], {"m": _adapter}, ("model.name_or_path", "point it at its base model (gpt2)")),
     "model path is a file": (["model.name_or_path={tmp}/f"], {"f": b"x"}, ("model.name_or_path", "from_pretrained")),
     "sharded index, one shard missing": (
