@@ -33,6 +33,7 @@ from app.data_files import (
     is_local,
     kind_of,
     open_data,
+    saved_dataset,
     split_files,
     split_names,
     url_scheme,
@@ -42,11 +43,6 @@ from app.errors import Problem, _short
 COLUMNS_PACKED = ["input_ids", "labels"]
 COLUMNS_PADDED = ["input_ids", "attention_mask", "labels"]
 log = logging.getLogger("finetune")
-
-
-def _saved_dataset(path: Path) -> bool:
-    """A folder written by `datasets`' save_to_disk (a Dataset or a DatasetDict)."""
-    return path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())
 
 
 def check_source(cfg: DataConfig, model=None) -> list[Problem]:
@@ -74,7 +70,7 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
                 )
             ]
         return []  # a hub name: only the run can reach the hub
-    if _saved_dataset(Path(os.path.expanduser(cfg.dataset))):
+    if saved_dataset(Path(os.path.expanduser(cfg.dataset))):
         return _saved_problems(cfg, model)
     try:
         by_split = split_files(cfg.dataset, cfg.config_name)
@@ -438,7 +434,7 @@ def load_split(cfg: DataConfig, split: str):
 
     if is_local(cfg.dataset):
         path = Path(os.path.expanduser(cfg.dataset))
-        if _saved_dataset(path):
+        if saved_dataset(path):
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
                 name, _, rest = split.partition("[")
@@ -498,7 +494,7 @@ def row_location(dataset: str, split: str | None, index: int, config: str | None
     """Where row `index` of a split comes from, for error messages: 'FILE line N' (JSON Lines) or 'FILE row N'
     (parquet) for local files, else its place in the split. Read only when a row is refused."""
     fallback = f"row {index + 1} of split {split}" if split else f"row {index + 1}"
-    if split is None or not is_local(dataset) or _saved_dataset(Path(os.path.expanduser(dataset))):
+    if split is None or not is_local(dataset) or saved_dataset(Path(os.path.expanduser(dataset))):
         return fallback
     files = split_files(dataset, config).get(split_names(split)[0], [])
     if not files or kind_of(files[0]) not in ("json", "parquet"):

@@ -75,10 +75,9 @@ def open_data(file: str) -> IO[bytes]:
     return COMPRESSIONS.get(Path(file).suffix, open)(file, "rb")
 
 
-def local_files(spec: str) -> list[str]:
-    """Every data file of a local path: the file, the glob's matches (data or not: check_source names the others)
-    or the folder's data files."""
-    return sorted({f for files in split_files(spec).values() for f in files})
+def saved_dataset(path: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (a Dataset or a DatasetDict), which is read whole, not by file."""
+    return path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())
 
 
 def split_files(spec: str, config: str | None = None) -> dict[str, list[str]]:
@@ -213,7 +212,7 @@ def folder_splits(spec: str, config: str | None, expression: str) -> str | None:
     """For the run's summary, a folder's files as this run reads them ('train: 3 files; also in the folder:
     validation, test'), or None for anything but a folder of data files."""
     path = Path(os.path.expanduser(spec))
-    if not path.is_dir() or (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+    if not path.is_dir() or saved_dataset(path):
         return None
     try:
         by_split = split_files(spec, config)

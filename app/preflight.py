@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app import data, data_files
+from app import data_files
 from app.errors import Problem
 from app.model import model_source
 
@@ -292,7 +292,7 @@ def split_sizes(cfg: TrainingConfig) -> dict[str, int] | None:
     if not data_files.is_local(spec):
         return None
     path = Path(spec).expanduser()
-    if data._saved_dataset(path):
+    if data_files.saved_dataset(path):
         if not (path / "dataset_dict.json").is_file():
             return None
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
