@@ -185,9 +185,10 @@ class DataConfig(Section):
 
     dataset: str = Field(
         "ag_news",
-        description="Hub dataset name, a local file/folder/glob of json, jsonl, csv, parquet or txt (.gz, .bz2, "
-        ".xz compressed or not), or a save_to_disk folder. A folder's splits are its files' names as `datasets` reads "
-        "them (train.jsonl, test.jsonl; data/train-00000-of-00001.parquet); a file or glob is split train.",
+        description="Hub dataset name, a local file/folder/glob of json, jsonl, ndjson, csv, tsv, parquet or txt "
+        "(.gz, .bz2, .xz compressed or not), or a save_to_disk folder. A folder's splits are its files' names as "
+        "`datasets` reads them (train.jsonl, test.jsonl; data/train-00000-of-00001.parquet) or its dataset card's "
+        "configs; a file or glob is split train.",
     )
     config_name: str | None = Field(
         None, description="A hub dataset's config, or one that a local folder's dataset card (README.md) lists."

@@ -27,12 +27,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from app import chat
 from app.config import DataConfig
 from app.data_files import (
+    CSV_SEPARATORS,
     LOCAL_BUILDERS,
     TooManyFiles,
     UnknownConfig,
     is_local,
     kind_of,
     open_data,
+    reader,
     saved_dataset,
     split_files,
     split_names,
@@ -91,7 +93,8 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
             Problem(
                 "data.dataset",
                 cfg.dataset,
-                "no json/jsonl/csv/parquet/txt files found there (.gz, .bz2 or .xz compressed or not)",
+                f"no {'/'.join(suffix.lstrip('.') for suffix in LOCAL_BUILDERS)} files found there (.gz, .bz2 or .xz "
+                "compressed or not)",
                 "check the path or glob",
             )
         ]
@@ -278,11 +281,11 @@ def _read_sample(file: str, kind: str, field: str) -> tuple[list | None, list, b
         batch = next(pf.iter_batches(batch_size=SAMPLE_ROWS, columns=[field]), None) if field in columns else None
         values = batch.column(0).to_pylist() if batch is not None else []
         return columns, values, pf.metadata.num_rows <= SAMPLE_ROWS
-    if kind == "csv":
+    if kind in CSV_SEPARATORS:
         import pandas as pd
 
         try:
-            frame = pd.read_csv(file, nrows=SAMPLE_ROWS)  # what `datasets`' csv builder uses
+            frame = pd.read_csv(file, nrows=SAMPLE_ROWS, sep=CSV_SEPARATORS[kind])  # what `datasets`' csv builder uses
         except pd.errors.EmptyDataError:
             return [], [], True
         except (pd.errors.ParserError, UnicodeDecodeError) as exc:
@@ -445,9 +448,9 @@ def load_split(cfg: DataConfig, split: str):
         # Only the splits read: datasets converts every split it is given (a folder's test split too).
         given = {name: by_split[name] for name in split_names(split) if name in by_split} or by_split
         files = [f for fs in given.values() for f in fs]
-        builder = kind_of(files[0])
+        builder, options = reader(kind_of(files[0]))
         try:
-            return datasets.load_dataset(builder, data_files=given, split=split)
+            return datasets.load_dataset(builder, data_files=given, split=split, **options)
         except Exception as exc:  # noqa: BLE001 - a bad row beyond the sample validate read: say where it is
             raise unreadable_data(files, builder, exc) from None
     return datasets.load_dataset(cfg.dataset, cfg.config_name, split=split)

@@ -25,7 +25,18 @@ from typing import IO
 
 import yaml
 
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# A data file's kind by its suffix, as datasets' _EXTENSION_TO_MODULE has it; each kind is read by one builder.
+LOCAL_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
+# The separator of each kind that `datasets` reads with its csv builder (and pandas, as it does).
+CSV_SEPARATORS = {"csv": ",", "tsv": "\t"}
 # Compression `datasets` undoes on reading (by the suffix), for the kinds that are a stream of bytes.
 COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 # datasets' FILES_TO_IGNORE: a dataset folder's metadata, never rows.
@@ -68,6 +79,11 @@ def kind_of(file: str) -> str | None:
         kind = LOCAL_BUILDERS.get(Path(path.stem).suffix)
         return None if kind == "parquet" else kind  # parquet compresses inside; datasets reads no .parquet.gz
     return LOCAL_BUILDERS.get(path.suffix)
+
+
+def reader(kind: str) -> tuple[str, dict]:
+    """The `datasets` builder and its options for a kind of file."""
+    return ("csv", {"sep": CSV_SEPARATORS[kind]}) if kind in CSV_SEPARATORS else (kind, {})
 
 
 def open_data(file: str) -> IO[bytes]:

@@ -330,11 +330,11 @@ def count_rows(file: str, kind: str) -> int:
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(file).metadata.num_rows
-    if kind == "csv":
+    if kind in data_files.CSV_SEPARATORS:
         import pandas as pd
 
         try:
-            return len(pd.read_csv(file, usecols=[0]))
+            return len(pd.read_csv(file, usecols=[0], sep=data_files.CSV_SEPARATORS[kind]))
         except pd.errors.EmptyDataError:
             return 0
     with data_files.open_data(file) as f:

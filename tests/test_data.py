@@ -255,6 +255,15 @@ def test_compressed_and_byte_order_marked_files_read_as_datasets_reads_them(tmp_
     (tmp_path / "e.jsonl.gz").write_bytes(b"not gzip at all")
     problem = data.check_source(DataConfig(dataset=str(tmp_path / "e.jsonl.gz")))[0]
     assert problem.field == "data.dataset" and "cannot be decompressed" in str(problem)
+    (tmp_path / "h.tsv").write_text("text\tlabel\nfirst, with a comma\t1\nsecond\t0\n")
+    (tmp_path / "i.ndjson").write_text(rows)
+    for name, n in [("h.tsv", 2), ("i.ndjson", 5)]:
+        cfg = DataConfig(dataset=str(tmp_path / name), split="train")
+        assert data.check_source(cfg) == [], name
+        assert len(data.load_split(cfg, "train")) == n, name
+    assert data.load_split(DataConfig(dataset=str(tmp_path / "h.tsv")), "train")["text"][0] == "first, with a comma"
+    problem = data.check_source(DataConfig(dataset=str(tmp_path / "*.?sv*")))[0]  # b.csv.bz2 and h.tsv
+    assert "mixes kinds of files (csv, tsv)" in str(problem)
     os.mkfifo(tmp_path / "g.jsonl")  # reading one would wait for a writer for ever
     problem = data.check_source(DataConfig(dataset=str(tmp_path / "g.jsonl")))[0]
     assert "g.jsonl is not a file" in str(problem)
