@@ -143,15 +143,17 @@ TEMPLATES = {
 }
 
 
-def resolve_format(fmt: str, columns: list[str]) -> str:
-    """The format `data.format` means for a dataset with these columns (auto: chat, prompt_completion or text)."""
+def resolve_format(fmt: str, columns: list[str], text_field: str = "text") -> str:
+    """The format `data.format` means for a dataset with these columns (auto: chat, prompt_completion or text).
+    Alpaca's columns beside a text column (data.text_field; tatsu-lab/alpaca has one, each row rendered with
+    Alpaca's own prompt) stay text, as they trained before the app read Alpaca's columns."""
     if fmt != "auto":
         return fmt
     if any(c in columns for c in COLUMNS["chat"]):
         return "chat"
     if "prompt" in columns and "completion" in columns:
         return "prompt_completion"
-    if INSTRUCTION in columns and any(c in columns for c in INSTRUCTION_ANSWERS):
+    if INSTRUCTION in columns and any(c in columns for c in INSTRUCTION_ANSWERS) and text_field not in columns:
         return "chat"
     return "text"
 

@@ -165,7 +165,7 @@ def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -
         columns = _read_sample(first, kind, "messages")[0]
     except ValueError:
         return None  # the text checks name the unreadable file
-    fmt = chat.resolve_format(cfg.format, columns or [])
+    fmt = chat.resolve_format(cfg.format, columns or [], cfg.text_field)
     if fmt == "text" or columns is None:
         return None
     rows = []
@@ -371,7 +371,7 @@ def _saved_problems(cfg: DataConfig, model=None) -> list[Problem]:
         if name not in loaded:
             return [Problem("data.split", cfg.split, f"no split '{name}'; it has {list(loaded)}", "use one of them")]
         loaded = loaded[name]
-    if (fmt := chat.resolve_format(cfg.format, loaded.column_names)) != "text":
+    if (fmt := chat.resolve_format(cfg.format, loaded.column_names, cfg.text_field)) != "text":
         sample = loaded.select(range(min(len(loaded), SAMPLE_ROWS))).to_list()
         rows = [(f"row {n + 1} of {cfg.dataset}", row) for n, row in enumerate(sample)]
         return chat.sample_problems(cfg, fmt, rows, _tokenizer_of(model))
@@ -543,7 +543,7 @@ def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     if len(raw) < 4 * num_proc * 1000:
         num_proc = None  # process start-up would cost more than it saves
-    if (fmt := chat.resolve_format(cfg.format, raw.column_names)) != "text":
+    if (fmt := chat.resolve_format(cfg.format, raw.column_names, cfg.text_field)) != "text":
         # A split numbered by prepare() is the training split; one numbered here is the eval split.
         split = cfg.split if chat.ROW in raw.column_names else cfg.eval_split
         locate = functools.partial(row_location, cfg.dataset, split, config=cfg.config_name)
@@ -620,7 +620,7 @@ def prepare(
     final = cache_folder(cfg, tokenizer_name, cache_dir, seed)
     if rank == 0 and not (final / "done").exists():
         raw, evalset = load_split(cfg, cfg.split), load_split(cfg, cfg.eval_split) if cfg.eval_split else None
-        fmt = chat.resolve_format(cfg.format, raw.column_names)
+        fmt = chat.resolve_format(cfg.format, raw.column_names, cfg.text_field)
         log.info(f"data format: {fmt}" + (" (data.format auto, from the columns)" if cfg.format == "auto" else ""))
         if fmt == "text":
             raw = drop_empty(raw, cfg.text_field, "training")

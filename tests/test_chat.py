@@ -429,6 +429,9 @@ def test_alpaca_and_dolly_rows_train_as_their_chat_form(tok, tmp_path):
     assert chat.resolve_format("auto", ["instruction", "input", "output"]) == "chat"
     assert chat.resolve_format("auto", ["instruction", "context", "response", "category"]) == "chat"
     assert chat.resolve_format("auto", ["instruction", "text"]) == "text"  # no answer column: not Alpaca's
+    # tatsu-lab/alpaca's columns: its text column (Alpaca's own prompt) trains as before; format chat reads the rest
+    assert chat.resolve_format("auto", ["instruction", "input", "output", "text"]) == "text"
+    assert chat.resolve_format("auto", ["instruction", "output", "text"], text_field="prompt") == "chat"
     expected = [
         [
             {"role": "system", "content": "Be brief."},
