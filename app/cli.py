@@ -254,7 +254,7 @@ def cmd_train(args) -> int:
     if (final / "model.safetensors").exists() or any(final.glob("*.safetensors")):
         print(f"final model: {final}")
         if cfg.scaling.use_gpu is False:
-            print(f"sample: {sample_generation(final)!r}")
+            print(f"sample: {sample_generation(final, chat=cfg.data.format == 'chat' or bool(cfg.data.chat_template))}")
     return 0
 
 
@@ -345,15 +345,27 @@ def share_like_the_rest(folder: Path) -> None:
             path.chmod(mode)
 
 
-def sample_generation(folder: Path, prompt: str = "The central bank", tokens: int = 12) -> str:
+# The CPU examples' sample prompts: a news text to continue, and a question like those of the bundled chat data.
+SAMPLE_TEXT = "The central bank"
+SAMPLE_QUESTION = "Which section is this headline for? The central bank raises its rates again."
+
+
+def sample_generation(folder: Path, chat: bool = False, tokens: int = 12) -> str:
+    """The exported model's greedy continuation of SAMPLE_TEXT; for a chat run, its answer to SAMPLE_QUESTION
+    rendered with the chat template it was trained with ('question' -> 'answer')."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    ids = tok(prompt, return_tensors="pt").input_ids
+    chat = chat and bool(tok.chat_template)
+    turn = [{"role": "user", "content": SAMPLE_QUESTION}]
+    text = tok.apply_chat_template(turn, tokenize=False, add_generation_prompt=True) if chat else SAMPLE_TEXT
+    ids = tok(text, add_special_tokens=not chat, return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-    return tok.decode(out[0], skip_special_tokens=True)
+    if not chat:
+        return repr(tok.decode(out[0], skip_special_tokens=True))
+    return f"{SAMPLE_QUESTION!r} -> {tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()!r}"
 
 
 def cmd_export(args) -> int:

@@ -57,6 +57,7 @@ def test_only_the_adapters_train_and_are_checkpointed(zero3, tiny_model):
     assert "LoRA r=8 on " in full and "of 165,632 parameters train" in full, full[-3000:]
     assert "data format: chat (data.format auto, from the columns)" in full
     assert "fan_in_fan_out" not in full  # PEFT's warning for each of GPT-2's transposed (Conv1D) layers
+    assert "sample: 'Which section is this headline for?" in resumed  # asked in the chat template trained with
     assert_resumed_exactly(storage, resumed)
     last = sorted((storage / "resumed" / "checkpoints").iterdir())[-1]
     weights = get_fp32_state_dict_from_zero_checkpoint(str(last), tag="ds", exclude_frozen_parameters=True)
