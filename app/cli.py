@@ -254,7 +254,9 @@ def cmd_train(args) -> int:
     if (final / "model.safetensors").exists() or any(final.glob("*.safetensors")):
         print(f"final model: {final}")
         if cfg.scaling.use_gpu is False:
-            print(f"sample: {sample_generation(final, chat=cfg.data.format == 'chat' or bool(cfg.data.chat_template))}")
+            d = cfg.data  # chat rows, or rows rendered with data.chat_template: the sample asks a question
+            chat = d.format == "chat" or (d.format == "auto" and bool(d.chat_template))
+            print(f"sample: {sample_generation(final, chat=chat)}")
     return 0
 
 

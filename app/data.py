@@ -38,7 +38,7 @@ from app.data_files import (
     saved_dataset,
     split_files,
     split_names,
-    url_scheme,
+    url_problem,
 )
 from app.errors import Problem, _short
 
@@ -51,16 +51,8 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
     """What can be checked about the data source before any worker starts: that it exists, and, for local data,
     its columns and a sample of its rows (chat rows rendered with the tokenizer of `model`, a ModelConfig)."""
     if not is_local(cfg.dataset):
-        if scheme := url_scheme(cfg.dataset):
-            return [
-                Problem(
-                    "data.dataset",
-                    cfg.dataset,
-                    f"is a URL ({scheme}://), which the app does not read",
-                    "copy the files onto the shared volume and point data.dataset at that folder, or give a hub "
-                    "dataset's name (owner/name)",
-                )
-            ]
+        if remote := url_problem("data.dataset", cfg.dataset, cfg.dataset, "the data files"):
+            return [remote]
         if looks_like_path(cfg.dataset):
             return [
                 Problem(

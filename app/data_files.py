@@ -25,6 +25,8 @@ from typing import IO
 
 import yaml
 
+from app.errors import Problem
+
 # A data file's kind by its suffix, as datasets' _EXTENSION_TO_MODULE has it; each kind is read by one builder.
 LOCAL_BUILDERS = {
     ".json": "json",
@@ -66,10 +68,18 @@ def is_local(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~")) or bool(glob.glob(os.path.expanduser(spec)))
 
 
-def url_scheme(spec: str) -> str | None:
-    """'s3' for s3://bucket/data: remote storage, which the app does not read (the workers read local paths)."""
-    found = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*)://", spec)
-    return found.group(1) if found else None
+def url_problem(field: str, value: str, source: str, what: str) -> Problem | None:
+    """A Problem when `source` (the path part of `value`) is a URL (s3://bucket/data): remote storage, which the
+    app does not read (the workers read local paths); `what` is copied onto the shared volume instead."""
+    found = re.match(r"([a-zA-Z][a-zA-Z0-9+.-]*)://", source)
+    if found is None:
+        return None
+    return Problem(
+        field,
+        value,
+        f"is a URL ({found.group(1)}://), which the app does not read",
+        f"copy {what} onto the shared volume and point {field} at it, or give a hub name (owner/name)",
+    )
 
 
 def kind_of(file: str) -> str | None:

@@ -50,16 +50,8 @@ def looks_local(name: str) -> bool:
 def model_problems(cfg: TrainingConfig, offline: bool) -> list[Problem]:
     source, random_init = model_source(cfg.model.name_or_path)
     found = []
-    if scheme := data_files.url_scheme(source):
-        found.append(
-            Problem(
-                "model.name_or_path",
-                cfg.model.name_or_path,
-                f"is a URL ({scheme}://), which the app does not read",
-                "copy the model folder onto the shared volume and point model.name_or_path at it, or give a hub "
-                "model's name (owner/name)",
-            )
-        )
+    if remote := data_files.url_problem("model.name_or_path", cfg.model.name_or_path, source, "the model folder"):
+        found.append(remote)
     elif looks_local(source):
         found += model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init)
     elif not offline:
