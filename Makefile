@@ -12,21 +12,36 @@ TORCH_STACK := torch|nvidia-|cuda-|triton
 .PHONY: setup run test test-all lint lock tiny clean distclean
 setup: $(VENV)/.installed
 
-# Each phase says what it does and how long it takes on 2 cores (README, "What make run does"), so nothing is silent for long.
-$(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt requirements-mlflow.txt
+# What running needs, no more (the test tools are $(VENV)/.test-tools, below). Each phase says what it does and how long
+# it takes on 2 cores (docs/getting-started.md, "What make run does"), so nothing is silent for long.
+$(VENV)/.installed: pyproject.toml requirements.lock
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "error: this needs Python >= 3.11;" \
 	  "$(PYTHON) is $$($(PYTHON) -V 2>&1): run make PYTHON=python3.11 (or newer)" >&2; exit 2; }
 	@command -v c++ >/dev/null || { echo "error: no C++ compiler (c++): DeepSpeed builds its CPU ops with one on first use;" \
 	  "install g++ (Debian/Ubuntu: apt-get install g++)" >&2; exit 2; }
-	@echo "==> install 1/5: virtual environment $(VENV) and pip"
+	@echo "==> install 1/4: virtual environment $(VENV) and pip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@echo "==> install 2/5: $(TORCH_CPU) (the largest download; 1-2 min)"
+	@echo "==> install 2/4: $(TORCH_CPU) (the largest download; 1-2 min)"
 	$(PY) -m pip install -q $(TORCH_CPU)
-	@echo "==> install 3/5: Ray, DeepSpeed, transformers and the rest from requirements.lock, helm and kubectl (1-2 min)"
+	@echo "==> install 3/4: Ray, DeepSpeed, transformers and the rest from requirements.lock, helm and kubectl (1-2 min)"
 	$(PY) -m pip install -q -c requirements.lock -e '.[dev]'
 	$(PY) tools/k8s_tools.py
-	@echo "==> install 4/5: checkov (make test's policy checks) and the MLflow server (its tracking tests), each in a venv of its own"
+	@echo "==> install 4/4: DeepSpeed's shared-memory collectives for CPU workers (compiled once per machine, 1-2 min)"
+	# Built now rather than in the first run's workers (every CPU run loads it; kept in ~/.cache/torch_extensions),
+	# as the image builds it (Dockerfile, step 4).
+	DS_ACCELERATOR=cpu $(PY) -m app.opbuild deepspeed_shm_comm
+	touch $@
+	@echo "==> installed: finetune, helm and kubectl are in $(BIN)/ (add it to PATH, or source $(BIN)/activate)"
+
+# The tools only the tests use, each in a venv of its own: `make test`, `make test-all`, `make checkov` and `make e2e`
+# install them, `make run` does not (a first run needs neither).
+.PHONY: test-tools
+test-tools: $(VENV)/.test-tools
+
+# Order-only on setup: reinstalling the app leaves the tools as they are.
+$(VENV)/.test-tools: requirements-checkov.txt requirements-mlflow.txt | $(VENV)/.installed
+	@echo "==> test tools: checkov (the policy checks) and the MLflow server (the tracking tests), each in a venv of its own"
 	# checkov in a venv of its own: its pins (packaging, networkx, ...) conflict with requirements.lock.
 	test -x $(VENV)/tools/checkov/bin/python || $(PYTHON) -m venv $(VENV)/tools/checkov
 	$(VENV)/tools/checkov/bin/pip install -q -r requirements-checkov.txt
@@ -34,12 +49,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock requirements-checkov.txt re
 	# The full mlflow (the server) pins pyarrow and python-dateutil below requirements.lock's.
 	test -x $(VENV)/tools/mlflow/bin/python || $(PYTHON) -m venv $(VENV)/tools/mlflow
 	$(VENV)/tools/mlflow/bin/pip install -q -r requirements-mlflow.txt
-	@echo "==> install 5/5: DeepSpeed's shared-memory collectives for CPU workers (compiled once per machine, 1-2 min)"
-	# Built now rather than in the first run's workers (every CPU run loads it; kept in ~/.cache/torch_extensions),
-	# as the image builds it (Dockerfile, step 4).
-	DS_ACCELERATOR=cpu $(PY) -m app.opbuild deepspeed_shm_comm
 	touch $@
-	@echo "==> installed: finetune, helm and kubectl are in $(BIN)/ (add it to PATH, or source $(BIN)/activate)"
 
 tiny: setup
 	@echo "==> tiny model and corpus, built offline (about 15 s)"
@@ -57,7 +67,7 @@ run-chat: tiny
 
 # --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget. Two files at a
 # time (-n 2, each file whole on one worker): a CPU training run keeps about half of 2 cores busy (tests/conftest.py).
-test: lint
+test: lint test-tools
 	$(BIN)/pytest -q -m "not slow and not e2e" -n 2 --dist loadfile --durations=15 tests
 
 # ruff on every file: lint (pycodestyle, pyflakes, import order, line length 120) and `ruff format`'s style.
@@ -71,7 +81,7 @@ format: setup
 	$(BIN)/ruff check --fix --select I001 .
 	$(BIN)/ruff format .
 
-test-all: setup
+test-all: test-tools
 	$(BIN)/pytest -q -m "not e2e" tests
 
 # The tests on a real cluster (tests/e2e): builds or reuses etcd, kube-apiserver, kube-controller-manager,
@@ -80,7 +90,7 @@ test-all: setup
 # starts them with containerd, runc and the CNI bridge (tools/node/install.sh installs Debian's when missing), runs
 # the tests, whose pods all run from the image on that node, and stops everything. Root and Debian.
 .PHONY: e2e
-e2e: setup
+e2e: test-tools
 	@test "$$(id -u)" = 0 || { echo "error: make e2e runs containerd and a kubelet: run it as root" >&2; exit 2; }
 	@# Built here, outside pytest's output capture, so a cold build's progress shows; the suite then reuses them.
 	bash tools/node/install.sh
@@ -133,7 +143,7 @@ manifests: schema
 # checkov over the rendered chart (defaults + examples), k8s/ and the Dockerfile; `make test` runs it too.
 # The checks that still fail, and why: tests/checkov-accepted.yaml.
 .PHONY: checkov
-checkov: setup
+checkov: test-tools
 	$(BIN)/pytest -q tests/test_checkov.py
 
 # Lints the Dockerfile with hadolint (a dev dependency), with the flags tests/test_image.py uses:

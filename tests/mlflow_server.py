@@ -1,8 +1,8 @@
 """A real MLflow tracking server for tests: `mlflow server` on a SQLite file, on a free port.
 
-The server comes from the venv of its own that `make setup` builds (.venv/tools/mlflow, requirements-mlflow.txt):
-the full `mlflow` package pins pyarrow and python-dateutil below the versions the app's lock holds. The app talks
-to it with mlflow-skinny, the client only, of the same version.
+The server comes from the venv of its own that `make test-tools` builds, as `make test` and `make e2e` do
+(.venv/tools/mlflow, requirements-mlflow.txt): the full `mlflow` package pins pyarrow and python-dateutil below the
+versions the app's lock holds. The app talks to it with mlflow-skinny, the client only, of the same version.
 """
 
 from __future__ import annotations

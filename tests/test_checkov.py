@@ -1,7 +1,7 @@
-"""checkov (pinned in requirements-checkov.txt, installed by `make setup`) over what the repo ships: the chart
-rendered with its defaults and every examples/values-*.yaml, each Ray pod as KubeRay creates it (checkov's
-Kubernetes checks cannot look inside a RayJob), k8s/ and the Dockerfile, in one invocation. Every check that
-fails must be listed, with its reason, in tests/checkov-accepted.yaml, and every listed check must still fail."""
+"""checkov (pinned in requirements-checkov.txt, installed by `make test-tools`, which `make test` runs) over what
+the repo ships: the chart rendered with its defaults and every examples/values-*.yaml, each Ray pod as KubeRay creates
+it (checkov's Kubernetes checks cannot look inside a RayJob), k8s/ and the Dockerfile, in one invocation. Every check
+that fails must be listed, with its reason, in tests/checkov-accepted.yaml, and every listed check must still fail."""
 
 from __future__ import annotations
 
