@@ -131,10 +131,15 @@ clean:
 distclean: clean
 	rm -rf $(VENV)
 
-# The chart's values.schema.json from the app's config models (tests fail when it is stale).
-.PHONY: schema manifests
-schema: setup
+# The chart's values.schema.json from the app's config models (tests fail when it is stale), and their reference page.
+.PHONY: schema manifests config-docs
+schema: config-docs
 	$(PY) -m app.schema --write
+
+# docs/configuration.md from the same models: one table per config section (tests/test_config_docs.py fails when
+# it is stale). `make schema` runs it too.
+config-docs: setup
+	$(PY) tools/config_docs.py --write
 
 # k8s/ = the chart rendered with its defaults, one file per purpose (tests fail when it is stale).
 manifests: schema
