@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call (the workplace's `run` tool: kind nvidia-h200-x2 for the 2-GPU suites, nvidia-h200 for chat), from the checkout's root:
+# One device call (the workplace's `run` tool: kind nvidia-h200-x2 for tutorial, trainer-2gpu, ckpt and offload (30 CPUs),
+# nvidia-h200 for the others), from the checkout's root:
 #   bash .gpu/tree/benchmarks/device_run.sh SUITE DEADLINE_S [ONLY]
 # where .gpu/ (git-ignored, carried) holds site-py312.tar.xz (Ray, DeepSpeed, datasets for the host's Python
-# 3.12), whl/ (liger-kernel; trl for the chat suite) and tree/ (this repository's files). Results land in $OUT/SUITE/.
+# 3.12), whl/ (liger-kernel, torchao; trl for the trl suites) and tree/ (this repository's files). Results land in $OUT/SUITE/.
 set -uo pipefail
 suite=$1 deadline=$2 only=${3:-}
 G=$PWD/.gpu
@@ -21,11 +22,15 @@ cd "$G/tree" || exit 1
 export PYTHONPATH=$PWD/benchmarks/image_env:$PWD:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 mkdir -p "$OUT/$suite"
-if [ "$suite" = peer ] || [ "$suite" = peer1 ] || [ "$suite" = features ] || [ "$suite" = warm2 ]; then timeout 150 python3 -m benchmarks.check_varlen --out "$OUT/$suite/check_varlen.json"; fi
-case $suite${FP8_SHAPES_S:+-fp8shapes} in fp8*|*-fp8shapes) timeout 200 python3 -m benchmarks.fp8_shapes --out "$OUT/$suite/fp8_shapes.json" --deadline-s "${FP8_SHAPES_S:-150}";; esac
-if [ "${suite%2}" = losschunk ]; then timeout 120 python3 -m benchmarks.check_loss_chunks --out "$OUT/$suite/check_loss_chunks.json"; fi
-if [ "$suite" = pin1 ]; then timeout 150 python3 -m benchmarks.pin_stall --out "$OUT/$suite/pin_stall.json"; fi
-if [ "$suite" = start ]; then timeout 90 python3 -m benchmarks.import_profile --out "$OUT/$suite/imports.json"; fi
+# The standalone checks a suite's table cites, run first; CHECKS (space-separated module names of benchmarks/:
+# check_varlen fp8_shapes check_loss_chunks pin_stall import_profile) overrides the suite's own.
+case $suite in trainer) checks=check_varlen;; fp8) checks=fp8_shapes;; *) checks=;; esac
+for check in ${CHECKS-$checks}; do
+  case $check in
+    fp8_shapes) timeout 200 python3 -m benchmarks.fp8_shapes --out "$OUT/$suite/fp8_shapes.json" --deadline-s "${FP8_SHAPES_S:-150}";;
+    *) timeout 150 python3 -m "benchmarks.$check" --out "$OUT/$suite/$check.json";;
+  esac
+done
 python3 -m benchmarks.bench --suite "$suite" --out "$OUT/$suite" --deadline-s "$deadline" ${only:+--only "$only"}
 tar -C /tmp/finetune-bench -czf "$OUT/$suite/logs.tar.gz" logs configs 2>/dev/null
 ls -d /tmp/ray/session_* "${RAY_TMPDIR:-/tmp}"/ray* 2>&1 | head -4
