@@ -1,4 +1,4 @@
-"""`finetune`: validate, train, export, and build the offline tiny model and corpus."""
+"""`finetune`: validate, prepare, train, export, and build the offline tiny model and corpus."""
 
 from __future__ import annotations
 
@@ -42,6 +42,18 @@ def _add_verbose(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_prepare(sub) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="prepare the data of a training config (Ray Data, every CPU of the cluster) and exit",
+        description="Read, render, mask, tokenize and pack the data of a training config into a prepared dataset "
+        "under <storage>/prepared/<key>/, on Ray Data over every CPU of the Ray cluster (RAY_ADDRESS, or a local "
+        "one), unless one with the same key is there already; print where it is and its summary. `finetune train` "
+        "with the same data, tokenizer and data settings then starts training at once, whatever its experiment name.",
+    )
+    _add_config_args(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune",
@@ -58,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--online", action="store_true", help="allow downloading the model config to check it")
     p.add_argument("--ds-config-only", action="store_true", help="print only the DeepSpeed config JSON")
+
+    _add_prepare(sub)
 
     p = sub.add_parser(
         "train",
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {
             "validate": cmd_validate,
+            "prepare": cmd_prepare,
             "train": cmd_train,
             "export": cmd_export,
             "tiny": cmd_tiny,
@@ -194,6 +209,19 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    from app import driver
+    from app.data import pipeline
+
+    cfg = _load(args)
+    driver.check(cfg, offline=False)  # every check of a training run's start: nothing starts for a bad config
+    driver.start_ray(cfg)
+    folder, manifest = pipeline.ensure(cfg)
+    print(f"prepared: {folder}")
+    print(pipeline.summary(manifest))
+    return 0
+
+
 def cmd_train(args) -> int:
     from app import driver
 
@@ -220,6 +248,8 @@ def cmd_train(args) -> int:
     except LeaseHeld as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_LEASE_HELD
+    except Problem:  # the data, found bad while it was prepared: a user error, before any training worker
+        raise
     except Exception as exc:  # noqa: BLE001 - Ray already logged the workers' tracebacks
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         end_tracking(cfg, "FAILED", first)

@@ -231,7 +231,13 @@ class DataConfig(Section):
         "faster, but they leak into each other).",
     )
     shuffle: bool = Field(True, description="Shuffle each epoch (seeded by train.seed, resumable).")
-    num_proc: int | None = Field(None, ge=1, le=256, description="Processes for tokenization (null: up to 8, by CPUs).")
+    num_proc: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Most Ray Data actors (one CPU each) that prepare the data (finetune prepare, or train before its "
+        "workers start); null: every CPU of the Ray cluster. Not part of the prepared data's key.",
+    )
     loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per training worker.")
 
     @field_validator("dataset")
@@ -649,9 +655,9 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
         "model_type": "use a mapping of keys",
         "dict_type": "use a mapping of keys",
         "finite_number": "use a finite number (not .inf or .nan)",
-        "less_than_equal": "use a value within that bound (see the field's description in README.md)",
-        "less_than": "use a value within that bound (see the field's description in README.md)",
-    }.get(err["type"], "see the field's description in README.md")
+        "less_than_equal": "use a value within that bound (see the field's description in docs/configuration.md)",
+        "less_than": "use a value within that bound (see the field's description in docs/configuration.md)",
+    }.get(err["type"], "see the field's description in docs/configuration.md")
     if loc and loc[-1] == "name":
         fix = "rename it, e.g. 'gpt2-agnews-1'"
     if loc == ["tracking", "mlflow", "uri"]:

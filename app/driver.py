@@ -383,6 +383,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     start_ray(cfg)
     preemption.on_driver_sigterm(cfg.experiment_dir, lease_token)  # after ray.init, which sets its own handler
+    where = data_for(cfg)  # prepared now, on the cluster's CPUs, unless it was: no training worker waits for it
     now = time.time()  # start-up breakdown: the loop adds its own marks and logs the whole
     marks = {"driver": _ray_marks.get("driver", now), "ray_started": _ray_marks.get("ray_started", now)}
     s = cfg.scaling
@@ -395,6 +396,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
             "ds_config": ds,
             "startup": marks,
             "lease_token": lease_token,
+            "data": where,
         },
         # Ray's TorchConfig, less its import of torch in Ray Train's controller process (app/ray_backend.py).
         torch_config=ProcessGroupConfig(backend="nccl" if s.use_gpu else "gloo"),
@@ -420,6 +422,21 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
         if error is None:
             raise
         raise error from exc
+
+
+def data_for(cfg: TrainingConfig) -> dict[str, str]:
+    """Where the workers read their data: the experiment's own tokenized cache when it started on one (written
+    there before prepared datasets; its resume then sees its blocks), else the prepared dataset of its key,
+    prepared now unless it is on the volume already."""
+    from app.data import cache_folder, pipeline
+
+    tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
+    own = cache_folder(cfg.data, tokenizer_name, cfg.experiment_dir / "cache", cfg.train.seed)
+    if (own / "done").exists():
+        log.info(f"data: {own}, the tokenized cache this experiment started on")
+        return {"cache": str(own)}
+    folder, _ = pipeline.ensure(cfg)
+    return {"prepared": str(folder)}
 
 
 class WorkerProblem(RuntimeError):

@@ -181,6 +181,8 @@ def setup(want_verbose: bool = False) -> None:
             tl.disable_progress_bar()  # "Loading weights" when the CLI loads the final model for its sample
         except ImportError:
             pass
+        # "Generating train split" as the driver reads the data to prepare (read when datasets is imported).
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def setup_worker(rank: int) -> None:

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,10 +53,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     start_worker(cfg, rank)
     marks["imports"] = time.time()
 
-    # Data: tokenized once into the shared cache, then a loader that can start mid-epoch.
+    # Data: prepared before the workers started (app.data.pipeline); a loader that can start at any batch.
     tokenizer = load_tokenizer(cfg.model)
     chat.keep_template(tokenizer, cfg.data)
-    batches = Batches.prepare(cfg, tokenizer, rank, world)
+    batches = Batches.prepare(cfg, tokenizer, loop_config["data"], rank, world)
     policy = SavePolicy.of(cfg, batches.sequences, world)
 
     # Model and DeepSpeed engine.
@@ -317,21 +318,19 @@ class Batches:
     accumulation: int
 
     @classmethod
-    def prepare(cls, cfg: TrainingConfig, tokenizer, rank: int, world: int) -> Batches:
-        """Tokenized once into the shared cache (rank 0 writes it, the others wait at the barrier)."""
+    def prepare(cls, cfg: TrainingConfig, tokenizer, where: dict[str, str], rank: int, world: int) -> Batches:
+        """The prepared dataset the driver made or found (`where`: {"prepared": folder}, or {"cache": folder} for an
+        experiment that started on its own tokenized cache), opened memory-mapped: no rank waits for another."""
         from ray.train.torch import prepare_data_loader
+
+        from app.data.store import open_splits
 
         t = cfg.train
         faults.maybe_raise("data", rank)  # test-only: off unless FINETUNE_FAULT_RAISE
-        train_set, eval_set = data.prepare(
-            cfg.data,
-            tokenizer,
-            cfg.model.tokenizer or cfg.model.name_or_path,
-            cfg.experiment_dir / "cache",
-            t.seed,
-            rank,
-            barrier=dist.barrier,
-        )
+        if "cache" in where:
+            train_set, eval_set = data.load_cache(Path(where["cache"]))
+        else:
+            train_set, eval_set = open_splits(Path(where["prepared"]))
         collate = data.collator(cfg.data, tokenizer)
         loader = data.make_loader(
             train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate

@@ -5,7 +5,7 @@ Run under torchrun (one process per GPU), from a training config YAML of this ap
 
 What is shared with `finetune train`, so that only the training engine differs: the DeepSpeed config
 (`app.ds_config.build`, every "auto" filled the same way), the model (`app.model.load_model`: same shape, same
-init, same attention kernel and options), the data (`app.data.prepare`: the same tokenized, packed blocks),
+init, same attention kernel and options), the data (`app.data.pipeline`: the same prepared, packed blocks),
 the micro-batch, accumulation, world size, learning rate, clipping and a fused torch AdamW. Step times are
 taken at each `on_step_end` after `torch.cuda.synchronize()`. Trainer's own logging runs every step, as the
 app's does (both read the loss on the host each step).
@@ -70,6 +70,7 @@ def main() -> None:
 
     from app import config as config_mod
     from app import data, ds_config, metrics, profiling
+    from app.data import pipeline, store
     from app.model import hidden_size, load_model, load_model_config, load_tokenizer, model_facts
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
@@ -86,10 +87,12 @@ def main() -> None:
         output_dir=str(out_dir), **trainer_args(cfg, total, ds), remove_unused_columns=False
     )  # also makes the live HfDeepSpeedConfig that builds a ZeRO-3 model partitioned
     tokenizer = load_tokenizer(cfg.model)
-    cache = Path(cfg.experiment_dir) / "cache"
-    train_set, _ = data.prepare(
-        cfg.data, tokenizer, cfg.model.tokenizer or cfg.model.name_or_path, cache, t.seed, rank, barrier=dist.barrier
-    )
+    # The app's prepared dataset of this config (app.data.pipeline: made here by rank 0 when missing, as the app's
+    # driver makes it before its workers start), read as the app's workers read it.
+    if rank == 0:
+        pipeline.ensure(cfg)
+    dist.barrier()
+    train_set, _ = store.open_splits(pipeline.folder_of(cfg))
     # The app's batches: packed documents kept apart (position ids, varlen attention) when the config says so.
     collate = data.collator(cfg.data, tokenizer)
     model = load_model(cfg.model, ds, separate_documents=collate is not None)  # checkpointing, Liger as configured

@@ -92,7 +92,7 @@ def test_dataset_labels_keep_each_conversation_and_its_mask(tok, tmp_path, packi
     cfg, ds = tokenized(tok, tmp_path, rows[:2], seq_length=192, packing=packing, chat_template="zephyr")
     alone = [chat.encode_chat(r["messages"], chat.TEMPLATES["zephyr"], tok, False)[:2] for r in rows[:2]]
     if not packing:
-        assert len(ds) == 2 and set(ds.column_names) == {"input_ids", "attention_mask", "labels"}
+        assert len(ds) == 2 and set(ds[0]) == {"input_ids", "attention_mask", "labels"}
         for row, (ids, labels) in zip(ds, alone):
             n = int(row["attention_mask"].sum())
             assert row["input_ids"][:n].tolist() == ids and row["labels"][:n].tolist() == labels
@@ -100,7 +100,7 @@ def test_dataset_labels_keep_each_conversation_and_its_mask(tok, tmp_path, packi
         return
     # Both fit one block: each conversation from position 0, its labels intact (a start is never a target), padding
     # after them (no loss), and the collator's boundaries at each conversation's start.
-    assert len(ds) == 1 and set(ds.column_names) == {"input_ids", "labels", "position_ids"}
+    assert len(ds) == 1 and set(ds[0]) == {"input_ids", "labels", "position_ids"}
     batch = data.collator(cfg, tok)([ds[0]])
     n1, n2 = len(alone[0][0]), len(alone[1][0])
     assert batch["input_ids"][0, : n1 + n2].tolist() == alone[0][0] + alone[1][0]
@@ -527,18 +527,6 @@ def test_a_template_whose_markers_the_tokenizer_lacks_is_refused(tmp_path):
     having = word_level_tokenizer(tmp_path / "having", [*words, "<|system|>", "<|user|>", "<|assistant|>"])
     assert data.check_source(cfg, ModelConfig(name_or_path=str(tmp_path / "having"))) == []
     assert len(data.tokenize(data.load_split(cfg, cfg.split), having, cfg)) == 3
-
-
-def test_a_bad_row_beyond_the_sample_ends_the_run_with_its_file_and_line(tok, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "SAMPLE_ROWS", 2)
-    rows = [{"messages": CONVERSATION}] * 3 + [{"messages": [{"role": "user", "content": "hi"}]}]
-    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}, *rows])
-    cfg = DataConfig(dataset=path, split="train", chat_template="zephyr")
-    assert data.check_source(cfg) == []  # the sample is clean
-    with pytest.raises(Problem) as caught:
-        data.prepare(cfg, tok, "tiny", tmp_path / "cache", 0, 0, barrier=lambda: None)
-    assert caught.value.value == f"{path} line 5" and "has no assistant turn" in caught.value.message
-    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("tokenized-*"))
 
 
 def test_lora_target_modules_the_model_lacks_are_refused_before_the_cluster(tiny_model, tmp_path):

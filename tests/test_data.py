@@ -10,7 +10,7 @@ from conftest import CORPUS
 from transformers import AutoTokenizer
 
 from app import data
-from app.config import DataConfig, Problem
+from app.config import DataConfig
 
 
 def tokenized(tiny_model, **kw):
@@ -330,43 +330,3 @@ def test_loader_clock_counts_only_the_time_blocked_on_the_loader():
     assert seen == [0, 1, 2, 3]
     assert 0.19 <= waited < 0.35, waited  # 4 x 50 ms of loader, not the 4 x 50 ms of steps
     assert clock.take() == 0.0
-
-
-def test_a_failed_cache_write_leaves_no_half_written_cache(tiny_model, tmp_path, monkeypatch):
-    """A full volume (or a stop) in the middle of the tokenized cache's write: no folder is left that a later
-    run could read, and the next run builds the cache from scratch."""
-    import datasets
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    tok.pad_token = tok.eos_token
-    cfg = DataConfig(dataset=str(CORPUS), split="train[:200]", seq_length=48)
-    real_save = datasets.DatasetDict.save_to_disk
-
-    def save_then_fail(self, path, **kw):
-        real_save(self, path, **kw)  # every shard on disk, then the volume fills before the marker
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(datasets.DatasetDict, "save_to_disk", save_then_fail)
-    try:
-        data.prepare(cfg, tok, str(tiny_model), tmp_path, 0, 0, barrier=lambda: None)
-    except OSError as e:
-        assert e.errno == 28
-    else:
-        raise AssertionError("the write's OSError did not reach the caller")
-    assert list(tmp_path.iterdir()) == []  # neither the temporary folder nor a final one without its marker
-    monkeypatch.setattr(datasets.DatasetDict, "save_to_disk", real_save)
-    train, _ = data.prepare(cfg, tok, str(tiny_model), tmp_path, 0, 0, barrier=lambda: None)
-    assert len(train) > 0 and [p.name for p in tmp_path.iterdir()] == [
-        f"tokenized-{data.cache_key(cfg, str(tiny_model), cfg.split, 0)}"
-    ]
-
-
-def test_too_few_tokens_for_one_packed_block_is_named_not_a_traceback(tiny_model, tmp_path):
-    """Packing keeps whole seq_length blocks only: data (or a tokenizer) that yields less than one block ends with
-    the field and the fix, not datasets' "Columns [...] not in the dataset"."""
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    tok.pad_token = tok.eos_token
-    cfg = DataConfig(dataset=str(CORPUS), split="train[:3]", seq_length=1024, packing=True)
-    with pytest.raises(Problem, match=r"data.seq_length: the split yields no training sequence \(packing keeps"):
-        data.prepare(cfg, tok, str(tiny_model), tmp_path, 0, 0, barrier=lambda: None)
-    assert list(tmp_path.iterdir()) == []  # nothing cached

@@ -284,22 +284,27 @@ def test_at_least_thirty_hostile_cases():
     assert len(CASES) >= 30
 
 
-def test_rows_without_text_are_skipped_and_counted(tmp_path, caplog):
+def test_rows_without_text_are_skipped_and_counted(tmp_path, caplog, tiny_model):
     """A CSV with empty cells and JSON Lines with null, blank and missing texts: those rows are dropped before
     tokenization, with one log line that counts them; the rest is kept in order."""
+    from transformers import AutoTokenizer
+
     from app import data
     from app.config import DataConfig
 
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.pad_token = tok.eos_token
+
     (tmp_path / "d.csv").write_text('text,label\n"first one",1\n,2\n"  ",3\n"second, with comma",4\n,5\n')
-    rows = jsonl({"text": "a b"}, {"text": None}, {"other": 1}, {"text": ""}, {"text": "c"})
+    rows = jsonl({"text": "a b"}, {"text": None}, {"other": 1}, {"text": ""}, {"text": "c d"})
     (tmp_path / "d.jsonl").write_bytes(rows)
-    for name, kept, skipped in (("d.csv", ["first one", "second, with comma"], 3), ("d.jsonl", ["a b", "c"], 3)):
-        cfg = DataConfig(dataset=str(tmp_path / name), split="train")
+    for name, kept, skipped in (("d.csv", ["first one", "second, with comma"], 3), ("d.jsonl", ["a b", "c d"], 3)):
+        cfg = DataConfig(dataset=str(tmp_path / name), split="train", packing=False)
         assert data.check_source(cfg) == []
         caplog.clear()
         with caplog.at_level("WARNING", logger="finetune"):
-            rows = data.drop_empty(data.load_split(cfg, "train"), "text", "training")
-        assert rows["text"] == kept
+            rows = data.tokenize(data.load_split(cfg, "train"), tok, cfg)
+        assert [tok.decode(row["input_ids"][row["attention_mask"] == 1]) for row in rows] == kept
         counted = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
         assert counted == [f"skipped {skipped} of {skipped + len(kept)} training rows whose 'text' is empty or null"]
 
@@ -335,11 +340,10 @@ def test_short_and_very_long_documents_give_finite_losses(packing, tmp_path, tin
     tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     cfg = DataConfig(dataset=str(_docs(tmp_path)), split="train", seq_length=32, packing=packing)
-    rows = data.drop_empty(data.load_split(cfg, "train"), cfg.text_field, "training")
-    ds = data.drop_untrainable(data.tokenize(rows, tok, cfg), cfg, "training")
+    ds = data.tokenize(data.load_split(cfg, "train"), tok, cfg)
     assert len(ds) >= (50_000 // 32 if packing else 4)
     with torch.no_grad():
-        for row in ds.select(range(0, len(ds), max(1, len(ds) // 64))):
+        for row in (ds[i] for i in range(0, len(ds), max(1, len(ds) // 64))):
             loss = model(**{k: v[None] for k, v in row.items()}).loss
             assert math.isfinite(loss.item())
 

@@ -1,7 +1,8 @@
-"""Data: load, tokenize, mask, pack, and a sampler whose position can be restored mid-epoch.
+"""Data: the checks of a source before any cluster starts, its loading as `datasets` reads it, and what training
+reads: a sampler whose position can be restored mid-epoch, the packed-documents collator, the loaders.
 
-Tokenized data is cached under `<storage>/<experiment>/cache/` by a key of everything that shapes it, so a
-restarted job does not tokenize again, and it is built once (by global rank 0) and read by every worker.
+Preparation (render, mask, tokenize, pack) is app.data.pipeline's, on Ray Data, into app.data.store's prepared
+dataset; `tokenize` runs the same unit encoder (app.data.encode) in this process, for tests and tools.
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ import json
 import logging
 import lzma
 import os
-import shutil
 import time
-from itertools import chain
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from app import chat
 from app.config import DataConfig
+from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
+from app.data.store import PreparedSplit
 from app.data_files import (
     CSV_SEPARATORS,
     LOCAL_BUILDERS,
@@ -42,8 +42,6 @@ from app.data_files import (
 )
 from app.errors import Problem, _short
 
-COLUMNS_PACKED = ["input_ids", "labels"]
-COLUMNS_PADDED = ["input_ids", "attention_mask", "labels"]
 log = logging.getLogger("finetune")
 
 
@@ -395,35 +393,6 @@ def _saved_problems(cfg: DataConfig, model=None) -> list[Problem]:
     return []
 
 
-def drop_untrainable(tokenized, cfg: DataConfig, what: str):
-    """Unpacked, a document of one token leaves no next token to predict: alone in a micro-batch its loss is 0/0
-    (NaN). Such rows are skipped with one log line."""
-    if cfg.packing:
-        return tokenized
-    kept = tokenized.filter(
-        lambda batch: [int((torch.as_tensor(row) != -100).sum()) >= 2 for row in batch["labels"]],
-        batched=True,
-        desc="skip one-token rows",
-    )
-    if len(kept) < len(tokenized):
-        log.warning(f"skipped {len(tokenized) - len(kept):,} {what} documents of a single token (nothing to predict)")
-    return kept
-
-
-def drop_empty(raw, field: str, what: str):
-    """Rows whose text is empty, blank or null are skipped, with one log line, rather than crash the tokenizer."""
-    if field not in raw.column_names:
-        return raw
-    kept = raw.filter(
-        lambda batch: [isinstance(t, str) and bool(t.strip()) for t in batch[field]],
-        batched=True,
-        desc="skip empty rows",
-    )
-    if len(kept) < len(raw):
-        log.warning(f"skipped {len(raw) - len(kept):,} of {len(raw):,} {what} rows whose '{field}' is empty or null")
-    return kept
-
-
 def load_split(cfg: DataConfig, split: str):
     import datasets
 
@@ -529,71 +498,37 @@ def cache_key(
     return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()[:16]
 
 
-def tokenize(raw, tokenizer, cfg: DataConfig, num_proc: int | None = None):
-    """Token ids and labels. Packed: full seq_length blocks. Padded: labels are -100 on padding. Chat and
-    prompt/completion rows: app.chat (labels on the assistant turns or the completion)."""
-    num_proc = num_proc or min(8, os.cpu_count() or 1)
-    if len(raw) < 4 * num_proc * 1000:
-        num_proc = None  # process start-up would cost more than it saves
-    if (fmt := chat.resolve_format(cfg.format, raw.column_names, cfg.text_field)) != "text":
-        # A split numbered by prepare() is the training split; one numbered here is the eval split.
-        split = cfg.split if chat.ROW in raw.column_names else cfg.eval_split
-        locate = functools.partial(row_location, cfg.dataset, split, config=cfg.config_name)
-        if chat.ROW not in raw.column_names:
-            raw = raw.add_column(chat.ROW, list(range(len(raw))))
-        out = chat.tokenize(raw, tokenizer, cfg, fmt, locate, num_proc)
-        out.set_format("torch", columns=out.column_names)
-        return out
-    if cfg.text_field not in raw.column_names:
+def tokenize(raw, tokenizer, cfg: DataConfig) -> PreparedSplit:
+    """The blocks of `raw` (rows as `datasets` loaded them) in this process, as preparation makes them (app.data.encode,
+    unit by unit): packed text in full seq_length blocks; padded rows with labels -100 on padding; chat and
+    prompt/completion rows with labels on the assistant turns or the completion."""
+    fmt = chat.resolve_format(cfg.format, raw.column_names, cfg.text_field)
+    if fmt == "text" and cfg.text_field not in raw.column_names:
         raise Problem(
             "data.text_field",
             cfg.text_field,
             f"no such column; the columns are {raw.column_names}",
             "set data.text_field",
         )
-    eos = tokenizer.eos_token_id
-    seq = cfg.seq_length
-
-    if cfg.packing:
-
-        def pack(batch: dict[str, list]) -> dict[str, Any]:
-            ids = tokenizer(batch[cfg.text_field], add_special_tokens=False, return_attention_mask=False)["input_ids"]
-            # One array of blocks, not lists of Python ints: datasets writes it to Arrow without checking each
-            # token (the same columns and values; the corpus of the benchmarks tokenized in 1.9 s, not 3.0-3.6).
-            stream = np.fromiter(chain.from_iterable(doc + [eos] for doc in ids), dtype=np.int64)
-            blocks = stream[: len(stream) // seq * seq].reshape(-1, seq)
-            return {"input_ids": blocks, "labels": blocks}
-
-        # Large map batches keep the tail that each batch drops small.
-        out = raw.map(
-            pack,
-            batched=True,
-            batch_size=4096,
-            remove_columns=raw.column_names,
-            num_proc=num_proc,
-            desc="tokenize+pack",
-        )
-        if len(out):  # no whole block at all: prepare() says so, naming data.seq_length
-            out.set_format("torch", columns=COLUMNS_PACKED)
-        return out
-
-    def pad(batch: dict[str, list]) -> dict[str, list]:
-        enc = tokenizer(batch[cfg.text_field], padding="max_length", truncation=True, max_length=seq)
-        enc["labels"] = [
-            [tok if keep else -100 for tok, keep in zip(ids, mask)]
-            for ids, mask in zip(enc["input_ids"], enc["attention_mask"])
-        ]
-        return dict(enc)
-
-    out = raw.map(pad, batched=True, remove_columns=raw.column_names, num_proc=num_proc, desc="tokenize+pad")
-    out.set_format("torch", columns=COLUMNS_PADDED)
-    return out
+    if fmt != "text" and chat.ROW not in raw.column_names:
+        raw = raw.add_column(chat.ROW, list(range(len(raw))))
+    locate = functools.partial(row_location, cfg.dataset, cfg.split, config=cfg.config_name)
+    if len(raw) and (problem := first_row_problem(cfg, fmt, raw[0], tokenizer, locate)):
+        raise problem
+    encoder = UnitEncoder(cfg, fmt, tokenizer, locate)
+    units = [encoder(raw[lo : lo + UNIT_ROWS]) for lo in range(0, len(raw), UNIT_ROWS)]
+    report({c: sum(u.counts.get(c, 0) for u in units) for c in units[0].counts} if units else {}, "training", cfg)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    layout = layout_of(fmt, cfg.packing)
+    return PreparedSplit.in_memory(
+        layout, cfg.seq_length, pad, [u.arrays() for u in units], [u.counts["blocks"] for u in units]
+    )
 
 
 def cache_folder(cfg: DataConfig, tokenizer_name: str, cache_dir: Path, seed: int) -> Path:
-    """The tokenized cache of this data: the current key's folder, unless an earlier version of the chat packing
-    wrote a complete cache of it into this experiment's folder (a resumed run then trains on the blocks it
-    started with, at the exact batch)."""
+    """The tokenized cache that an experiment started before prepared datasets wrote into its own folder
+    (`<experiment>/cache/tokenized-<key>/`): the current key's folder, or an earlier chat packing's; an experiment
+    that has a complete one keeps training on it (`load_cache`), so that its resume sees its blocks."""
     final = cache_dir / f"tokenized-{cache_key(cfg, tokenizer_name, cfg.split, seed)}"
     if chat.cache_fields(cfg) and not (final / "done").exists():
         for version in chat.EARLIER_CACHE_VERSIONS:
@@ -603,59 +538,11 @@ def cache_folder(cfg: DataConfig, tokenizer_name: str, cache_dir: Path, seed: in
     return final
 
 
-def prepare(
-    cfg: DataConfig, tokenizer, tokenizer_name: str, cache_dir: Path, seed: int, rank: int, barrier
-) -> tuple[Any, Any]:
-    """(train, eval or None) tokenized datasets, built by global rank 0 into the shared cache."""
+def load_cache(folder: Path) -> tuple[Any, Any]:
+    """(train, eval or None) of an experiment's own tokenized cache (cache_folder)."""
     import datasets
 
-    final = cache_folder(cfg, tokenizer_name, cache_dir, seed)
-    if rank == 0 and not (final / "done").exists():
-        raw, evalset = load_split(cfg, cfg.split), load_split(cfg, cfg.eval_split) if cfg.eval_split else None
-        fmt = chat.resolve_format(cfg.format, raw.column_names, cfg.text_field)
-        log.info(f"data format: {fmt}" + (" (data.format auto, from the columns)" if cfg.format == "auto" else ""))
-        if fmt == "text":
-            raw = drop_empty(raw, cfg.text_field, "training")
-            evalset = drop_empty(evalset, cfg.text_field, "eval") if evalset is not None else None
-        else:  # numbered before the eval split takes rows out, so that a bad row is named by its place in the file
-            raw = raw.add_column(chat.ROW, list(range(len(raw))))
-        if cfg.text_field in raw.column_names and len(raw) == 0:
-            raise Problem(
-                "data.text_field",
-                cfg.text_field,
-                f"split {cfg.split} has no row with text",
-                "point data.dataset at data with text",
-            )
-        if cfg.eval_fraction:
-            parts = raw.train_test_split(test_size=cfg.eval_fraction, seed=seed)
-            raw, evalset = parts["train"], parts["test"]
-        parts = {"train": drop_untrainable(tokenize(raw, tokenizer, cfg, cfg.num_proc), cfg, "training")}
-        if evalset is not None:
-            parts["eval"] = drop_untrainable(tokenize(evalset, tokenizer, cfg, cfg.num_proc), cfg, "eval")
-        if len(parts["train"]) == 0:
-            raise Problem(
-                "data.seq_length",
-                cfg.seq_length,
-                "the split yields no training sequence"
-                + (
-                    f" (packing keeps whole {cfg.seq_length}-token blocks only, as the tokenizer counts tokens)"
-                    if cfg.packing
-                    else ""
-                ),
-                "use more data or a shorter seq_length, or check that model.tokenizer turns this text into tokens",
-            )
-        tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            datasets.DatasetDict(parts).save_to_disk(str(tmp))
-            (tmp / "done").write_text("ok\n")
-        except BaseException:  # a full volume, a stop: no half-written cache is left behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    barrier()
-    loaded = datasets.load_from_disk(str(final))
+    loaded = datasets.load_from_disk(str(folder))
     for split in loaded:
         loaded[split].set_format("torch", columns=loaded[split].column_names)
     return loaded["train"], loaded.get("eval")

@@ -1,0 +1,380 @@
+"""Preparation: a training config's data read, rendered, masked, tokenized and packed into a prepared dataset
+(app.data.store) once per key, by Ray Data over every CPU of the Ray cluster, before any training worker starts.
+
+The key covers what changes the prepared bytes (the data files' identity, the tokenizer's files, the template,
+format, seq_length, packing, train_on_prompt, the splits, the preparation code's version) and nothing else, so
+every experiment over the same data and tokenizer shares one prepared dataset under `<storage>/prepared/<key>/`.
+A split is cut into units of UNIT_ROWS consecutive rows (app.data.encode); each unit is one row of a Ray Data
+dataset, encoded by an actor that loads the tokenizer once and writes the unit's arrays itself, so the bytes do
+not depend on how many CPUs, nodes or Ray Data blocks did the work. The folder is written under a temporary name
+and renamed once its manifest is in: a preparation that fails or is killed leaves nothing a later run reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from app import chat
+from app.config import DataConfig, ModelConfig, TrainingConfig
+from app.data import load_split, row_location
+from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
+from app.data.store import MANIFEST, read_manifest, remove_tree, write_unit
+from app.data_files import is_local, saved_dataset, split_files, split_names
+from app.errors import Problem
+
+PREPARED = "prepared"  # under experiment.storage_path, beside the experiments' folders
+VERSION = "prepared-v1"  # the preparation code's version: a change to the bytes it writes changes it
+# What AutoTokenizer reads from a model folder: its identity is their contents, wherever the folder is.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+PROGRESS_EVERY_S = 10.0
+log = logging.getLogger("finetune")
+
+
+def root_of(storage_path: str) -> Path:
+    return Path(storage_path).expanduser().resolve() / PREPARED
+
+
+def key_fields(cfg: TrainingConfig) -> dict[str, Any]:
+    d = cfg.data
+    return {
+        "version": VERSION,
+        "unit_rows": UNIT_ROWS,  # the packing groups
+        "data": data_identity(d),
+        "config_name": d.config_name,
+        "split": d.split,
+        "eval_split": d.eval_split,
+        "eval_fraction": d.eval_fraction,
+        "eval_seed": cfg.train.seed if d.eval_fraction else None,  # the seed picks the held-out rows
+        "text_field": d.text_field,
+        "format": d.format,
+        "template": chat.TEMPLATES.get(d.chat_template, d.chat_template),
+        "train_on_prompt": d.train_on_prompt,
+        "seq_length": d.seq_length,
+        "packing": d.packing,
+        "tokenizer": tokenizer_identity(cfg.model),
+    }
+
+
+def key_of(cfg: TrainingConfig) -> str:
+    return hashlib.sha256(json.dumps(key_fields(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def folder_of(cfg: TrainingConfig) -> Path:
+    return root_of(cfg.experiment.storage_path) / key_of(cfg)
+
+
+def data_identity(d: DataConfig) -> Any:
+    """Local data: each file read, with its size and modification time (a file written again is new data); a hub
+    dataset: its name (the hub's own cache keeps its revision)."""
+    if not is_local(d.dataset):
+        return {"hub": d.dataset}
+    path = Path(os.path.expanduser(d.dataset))
+    if saved_dataset(path):
+        files = sorted(str(f) for f in path.rglob("*") if f.is_file())
+    else:
+        by_split = split_files(d.dataset, d.config_name)
+        names = split_names(d.split) + (split_names(d.eval_split) if d.eval_split else [])
+        files = sorted(
+            {f for name in names for f in by_split.get(name, [])} or {f for fs in by_split.values() for f in fs}
+        )
+    out = []
+    for file in files:
+        stat = os.stat(file)
+        out.append([str(Path(file).resolve()), stat.st_size, stat.st_mtime_ns])
+    return out
+
+
+def tokenizer_identity(m: ModelConfig) -> Any:
+    from app.model import model_source
+
+    name = m.tokenizer or model_source(m.name_or_path)[0]
+    folder = Path(os.path.expanduser(name))
+    if not folder.is_dir():
+        return {"hub": name}
+    digest = hashlib.sha256()
+    for file in sorted(f for f in folder.iterdir() if f.name in TOKENIZER_FILES and f.is_file()):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return {"files": digest.hexdigest()}
+
+
+def ensure(cfg: TrainingConfig) -> tuple[Path, dict[str, Any]]:
+    """The prepared dataset of this config and its manifest: the one already on the volume when its key matches
+    (the log says so), else prepared now."""
+    folder = folder_of(cfg)
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        log.info(f"prepared data: reusing {folder} ({summary(manifest)})")
+        return folder, manifest
+    manifest = prepare(cfg, folder)
+    log.info(f"prepared data: {folder} ({summary(manifest)})")
+    return folder, manifest
+
+
+def summary(manifest: dict[str, Any]) -> str:
+    train = manifest["splits"]["train"]
+    text = (
+        f"{manifest['format']}, train: {train['rows']:,} rows, {train['documents']:,} documents, "
+        f"{train['tokens']:,} tokens, {train['blocks']:,} blocks of {manifest['seq_length']}"
+    )
+    if "eval" in manifest["splits"]:
+        text += f"; eval: {manifest['splits']['eval']['blocks']:,} blocks"
+    size = sum(s["bytes"] for s in manifest["splits"].values())
+    tokens = sum(s["tokens"] for s in manifest["splits"].values())
+    return text + f"; {size / max(tokens, 1):.2f} bytes a token, prepared in {manifest['seconds']:.1f} s"
+
+
+def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
+    """Prepares the data into `folder` (temporary name, then rename) and returns its manifest."""
+    from app.model import load_tokenizer
+
+    started = time.time()
+    tokenizer = load_tokenizer(cfg.model)
+    splits, fmt = raw_splits(cfg.data, cfg.train.seed)
+    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        train = splits["train"][0]
+        if len(train) and (problem := first_row_problem(cfg.data, fmt, train[0], tokenizer, locator(cfg.data))):
+            raise problem
+        results = {name: run_split(cfg, fmt, name, raw, where, tmp, tokenizer) for name, (raw, where) in splits.items()}
+        no_training_sequence(cfg.data, results["train"])
+        manifest = {
+            "key": folder.name,
+            "identity": key_fields(cfg),
+            "format": fmt,
+            "layout": layout_of(fmt, cfg.data.packing),
+            "seq_length": cfg.data.seq_length,
+            "pad_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            "eos_id": tokenizer.eos_token_id,
+            "sources": [{"dataset": cfg.data.dataset, "split": cfg.data.split, "rows": results["train"]["rows"]}],
+            "splits": results,
+            "nodes": nodes_of(results),
+            "seconds": round(time.time() - started, 2),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: it makes the folder complete
+        publish(tmp, folder)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    return read_manifest(folder) or manifest
+
+
+def publish(tmp: Path, folder: Path) -> None:
+    """The temporary folder under its key's name; where another preparation of the same key finished first, its
+    folder stays (the same bytes) and this one goes."""
+    try:
+        os.rename(tmp, folder)
+    except OSError:
+        if read_manifest(folder) is None:
+            raise
+        remove_tree(tmp)
+
+
+def locator(d: DataConfig, split: str | None = None):
+    """Where a row of a split comes from, by its index in the split (app.data.row_location), picklable."""
+    return functools.partial(row_location, d.dataset, split or d.split, config=d.config_name)
+
+
+def raw_splits(d: DataConfig, seed: int) -> tuple[dict[str, tuple[Any, str]], str]:
+    """{'train': (rows, the split they are numbered in), 'eval': ...} as `datasets` reads them, and the format."""
+    raw = load_split(d, d.split)
+    evalset = load_split(d, d.eval_split) if d.eval_split else None
+    fmt = chat.resolve_format(d.format, raw.column_names, d.text_field)
+    log.info(f"data format: {fmt}" + (" (data.format auto, from the columns)" if d.format == "auto" else ""))
+    if fmt == "text" and d.text_field not in raw.column_names:
+        raise Problem(
+            "data.text_field",
+            d.text_field,
+            f"no such column; the columns are {raw.column_names}",
+            "set data.text_field",
+        )
+    if fmt != "text":  # numbered before the eval split takes rows out, so that a bad row is named by its place
+        raw = raw.add_column(chat.ROW, list(range(len(raw))))
+        if evalset is not None:
+            evalset = evalset.add_column(chat.ROW, list(range(len(evalset))))
+    if d.eval_fraction:
+        parts = raw.train_test_split(test_size=d.eval_fraction, seed=seed)
+        return {"train": (parts["train"], d.split), "eval": (parts["test"], d.split)}, fmt
+    out = {"train": (raw, d.split)}
+    if evalset is not None:
+        out["eval"] = (evalset, d.eval_split)
+    return out, fmt
+
+
+def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
+    if train["rows"] and train["empty"] == train["rows"]:
+        raise Problem(
+            "data.text_field",
+            d.text_field,
+            f"split {d.split} has no row with text",
+            "point data.dataset at data with text",
+        )
+    if train["blocks"] == 0:
+        raise Problem(
+            "data.seq_length",
+            d.seq_length,
+            "the split yields no training sequence"
+            + (
+                f" (packing keeps whole {d.seq_length}-token blocks only, as the tokenizer counts tokens)"
+                if d.packing
+                else ""
+            ),
+            "use more data or a shorter seq_length, or check that model.tokenizer turns this text into tokens",
+        )
+
+
+COUNTS = ("rows", "empty", "too_long", "truncated", "single_token", "documents", "tokens", "targets", "blocks", "cut")
+
+
+def run_split(cfg: TrainingConfig, fmt: str, name: str, raw, numbered_in: str, tmp: Path, tokenizer) -> dict:
+    """The split's units, encoded and written into `tmp` (by Ray Data when there is more than one unit and a Ray
+    cluster, else here), and their totals."""
+    arrow = raw.with_format("arrow")
+    bounds = [(lo, min(lo + UNIT_ROWS, len(raw))) for lo in range(0, len(raw), UNIT_ROWS)]
+    options = {"config": cfg.model_dump(mode="json"), "fmt": fmt, "split": name, "numbered_in": numbered_in}
+    options["folder"] = str(tmp)
+    if len(bounds) <= 1 or not _ray_up():
+        preparer = UnitPreparer(**options, tokenizer=tokenizer)
+        done = []
+        for n, (lo, hi) in enumerate(bounds):
+            done.append(preparer({"unit": n, "rows": arrow[lo:hi]}))
+            _counts(done[-1])
+    else:
+        done = _on_ray(cfg, name, options, [arrow[lo:hi] for lo, hi in bounds], len(raw))
+    units = sorted((json.loads(row["result"]) for row in done), key=lambda u: u["unit"])
+    totals = {c: sum(u["counts"].get(c, 0) for u in units) for c in COUNTS}
+    report(totals, "training" if name == "train" else "eval", cfg.data)
+    return {
+        **totals,
+        "bytes": sum(u["bytes"] for u in units),
+        "units": [{"unit": u["unit"], "blocks": u["counts"]["blocks"], "arrays": u["arrays"]} for u in units],
+        "nodes": [u["node"] for u in units],
+    }
+
+
+def _ray_up() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def _on_ray(cfg: TrainingConfig, name: str, options: dict, tables: list, rows: int) -> list[dict]:
+    """Each unit one row of a Ray Data dataset, encoded by a pool of actors over the cluster's CPUs."""
+    import pyarrow as pa
+    import ray
+
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # the app logs its own progress lines
+    items = []
+    for n, table in enumerate(tables):
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        items.append({"unit": n, "rows": sink.getvalue().to_pybytes(), "count": table.num_rows})
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    actors = max(1, min(len(tables), cfg.data.num_proc or cpus, cpus))
+    log.info(f"preparing {name}: {rows:,} rows in {len(tables)} units on up to {actors} CPUs (Ray Data)")
+    encoded = ray.data.from_items(items).map(
+        UnitPreparer, fn_constructor_kwargs=options, concurrency=actors, num_cpus=1
+    )
+    progress = Progress(name, rows)
+    done = []
+    for row in encoded.iter_rows():
+        done.append(row)
+        progress.add(_counts(row)["rows"])
+    return done
+
+
+def _counts(row: dict[str, Any]) -> dict[str, int]:
+    """A unit's counts; a unit that found a bad row raises its Problem (the preparation stops there)."""
+    result = json.loads(row["result"])
+    if "problem" in result:
+        raise Problem(*result["problem"])
+    return result["counts"]
+
+
+class Progress:
+    """Rows done, rate and ETA, one line at most every PROGRESS_EVERY_S seconds and one at the end."""
+
+    def __init__(self, name: str, rows: int):
+        self.name, self.total, self.done = name, rows, 0
+        self.started = self.last = time.time()
+
+    def add(self, rows: int) -> None:
+        self.done += rows
+        now = time.time()
+        if now - self.last < PROGRESS_EVERY_S and self.done < self.total:
+            return
+        self.last, rate = now, self.done / max(now - self.started, 1e-9)
+        eta = (self.total - self.done) / rate if rate else 0.0
+        log.info(f"prepare {self.name}: {self.done:,}/{self.total:,} rows, {rate:,.0f} rows/s, ETA {eta:.0f} s")
+
+
+class UnitPreparer:
+    """A Ray Data actor (or, for one unit, the driver): loads the tokenizer once, then encodes units and writes
+    their arrays into the prepared dataset's temporary folder."""
+
+    def __init__(self, config: dict, fmt: str, split: str, numbered_in: str, folder: str, tokenizer=None):
+        from app.model import load_tokenizer
+
+        cfg = TrainingConfig.model_validate(config)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        self.encoder = UnitEncoder(cfg.data, fmt, tokenizer, locator(cfg.data, numbered_in))
+        self.split, self.folder = split, Path(folder)
+        self.node = _node()
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        rows = item["rows"]
+        if isinstance(rows, (bytes, bytearray, memoryview)):
+            import pyarrow as pa
+
+            rows = pa.ipc.open_stream(rows).read_all()
+        try:
+            unit = self.encoder(rows.to_pydict())
+        except Problem as exc:  # a bad row: the driver raises it as it is, not inside Ray's task error
+            return {"result": json.dumps({"problem": [exc.field, exc.value, exc.message, exc.fix]})}
+        written = write_unit(self.folder, self.split, int(item["unit"]), unit.arrays())
+        result = {"unit": int(item["unit"]), "counts": unit.counts, "arrays": list(unit.arrays()), "bytes": written}
+        return {"result": json.dumps({**result, "node": self.node})}
+
+
+def _node() -> str:
+    """This process's Ray node (its id's first 12 characters) and host, for the manifest."""
+    host = socket.gethostname()
+    if not _ray_up():
+        return f"{host} (no Ray cluster)"
+    import ray
+
+    return f"{host} node {ray.get_runtime_context().get_node_id()[:12]}"
+
+
+def nodes_of(results: dict[str, dict]) -> dict[str, int]:
+    """{node: units it prepared} over every split."""
+    out: dict[str, int] = {}
+    for split in results.values():
+        for node in split.pop("nodes"):
+            out[node] = out.get(node, 0) + 1
+    return dict(sorted(out.items()))

@@ -1,0 +1,217 @@
+"""Prepared datasets (app.data.pipeline, app.data.store): made by Ray Data on a real local Ray cluster or in this
+process, byte-identical however many CPUs made them, shared by experiments over the same data, compact, and never
+left half-written."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CORPUS
+
+from app import data
+from app.config import Problem, TrainingConfig
+from app.data import pipeline, store
+
+CHAT = CORPUS.parent / "tiny-chat.jsonl"
+
+
+def config(tmp_path: Path, model: Path, name: str = "exp", **data_fields) -> TrainingConfig:
+    fields = {"dataset": str(CORPUS), "split": "train", "seq_length": 48, **data_fields}
+    return TrainingConfig.model_validate(
+        {
+            "experiment": {"name": name, "storage_path": str(tmp_path / "storage")},
+            "model": {"name_or_path": str(model)},
+            "data": fields,
+            "scaling": {"num_workers": 1, "use_gpu": False},
+        }
+    )
+
+
+def chat_config(tmp_path: Path, model: Path, **fields) -> TrainingConfig:
+    fields = {"dataset": str(CHAT), "format": "chat", "chat_template": "zephyr", "seq_length": 128, **fields}
+    return config(tmp_path, model, **fields)
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """Every file of a prepared dataset but its manifest (which records times and nodes), by its path."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*.npy"))
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def without_ray():
+    import ray
+
+    return not ray.is_initialized()
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_the_same_key_gives_the_same_bytes_on_any_number_of_cpus(tiny_model, tmp_path, monkeypatch, ray_cluster, kind):
+    """Units of 150 rows: the bundled data is 4-14 units, encoded by 1 or 2 Ray Data actors, and by this process
+    alone; every file is byte-identical, and the blocks equal those `data.tokenize` makes in memory."""
+    monkeypatch.setattr(pipeline, "UNIT_ROWS", 150)
+    make = chat_config if kind == "chat" else config
+    folders = []
+    for n, cpus in enumerate([1, 2]):
+        cfg = make(tmp_path / f"run{n}", tiny_model, num_proc=cpus)
+        folder, manifest = pipeline.ensure(cfg)
+        assert len(manifest["splits"]["train"]["units"]) > 3
+        folders.append(folder)
+    assert folders[0].name == folders[1].name  # data.num_proc is not part of the key
+    assert hashes(folders[0]) == hashes(folders[1]) and len(hashes(folders[0])) > 3
+    ray_cluster.shutdown()  # the same preparation in this process alone
+    try:
+        assert without_ray()
+        folder, _ = pipeline.ensure(make(tmp_path / "alone", tiny_model))
+    finally:
+        ray_cluster.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    assert hashes(folder) == hashes(folders[0])
+
+    # What training reads equals the in-memory path's blocks (the same encoder, unit by unit).
+    from app.model import load_tokenizer
+
+    cfg = make(tmp_path / "mem", tiny_model)
+    monkeypatch.setattr(data, "UNIT_ROWS", 150)
+    memory = data.tokenize(data.load_split(cfg.data, "train"), load_tokenizer(cfg.model), cfg.data)
+    prepared = store.PreparedSplit.open(folders[0], "train")
+    assert len(prepared) == len(memory) > 10
+    for i in range(len(prepared)):
+        a, b = prepared[i], memory[i]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), i
+
+
+def test_a_second_experiment_reuses_the_prepared_dataset(tiny_model, tmp_path, caplog):
+    first = config(tmp_path, tiny_model, name="first")
+    folder, manifest = pipeline.ensure(first)
+    written = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+    second = first.model_copy(deep=True)
+    second.experiment.name, second.train.learning_rate, second.scaling.num_workers = "second", 1e-4, 2
+    with caplog.at_level(logging.INFO, logger="finetune"):
+        again, _ = pipeline.ensure(second)
+    assert again == folder and "prepared data: reusing" in caplog.text
+    assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == written  # nothing written again
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]
+    assert folder.parent == Path(first.experiment.storage_path) / "prepared"
+
+
+def test_the_key_covers_what_changes_the_bytes_and_nothing_else(tiny_model, tmp_path):
+    base = config(tmp_path, tiny_model)
+    key = pipeline.key_of(base)
+    same = base.model_copy(deep=True)
+    same.experiment.name, same.train.learning_rate, same.train.epochs = "other", 1e-3, 3
+    same.scaling.num_workers, same.data.shuffle, same.data.num_proc = 4, False, 3
+    assert pipeline.key_of(same) == key
+    for field, value in [("seq_length", 64), ("packing", False), ("format", "text"), ("chat_template", "chatml")]:
+        changed = base.model_copy(deep=True)
+        setattr(changed.data, field, value)
+        assert pipeline.key_of(changed) != key, field
+    copy = tmp_path / "copy.jsonl"  # the same rows in another file: other data as far as the key knows
+    copy.write_bytes(CORPUS.read_bytes())
+    other = base.model_copy(deep=True)
+    other.data.dataset = str(copy)
+    assert pipeline.key_of(other) != key
+    tokenizer = tmp_path / "tok"  # the same tokenizer files elsewhere: the same key; another vocabulary: not
+    tokenizer.mkdir()
+    for name in pipeline.TOKENIZER_FILES:
+        if (tiny_model / name).exists():
+            (tokenizer / name).write_bytes((tiny_model / name).read_bytes())
+    moved = base.model_copy(deep=True)
+    moved.model.tokenizer = str(tokenizer)
+    assert pipeline.key_of(moved) == key
+    config_file = tokenizer / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "model_max_length": 7}))
+    assert pipeline.key_of(moved) != key
+
+
+def test_a_bad_row_beyond_the_sample_ends_preparation_with_its_file_and_line(
+    tiny_model, tmp_path, monkeypatch, ray_cluster
+):
+    monkeypatch.setattr(pipeline, "UNIT_ROWS", 100)
+    monkeypatch.setattr(data, "SAMPLE_ROWS", 50)
+    rows = CHAT.read_text().splitlines()
+    rows[333] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    bad = tmp_path / "chat.jsonl"
+    bad.write_text("\n".join(rows) + "\n")
+    cfg = chat_config(tmp_path, tiny_model, dataset=str(bad))
+    assert data.check_source(cfg.data, cfg.model) == []  # the checks' sample (50 rows here) is fine
+    with pytest.raises(Problem) as caught:
+        pipeline.ensure(cfg)
+    assert caught.value.value == f"{bad} line 334" and "has no assistant turn" in caught.value.message
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []  # no temporary folder left behind
+
+
+def test_a_failed_write_leaves_nothing_and_the_next_run_prepares_from_scratch(tiny_model, tmp_path, monkeypatch):
+    real = store.write_unit
+    calls = []
+
+    def write_then_fail(*args):
+        calls.append(real(*args))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline, "write_unit", write_then_fail)
+    cfg = config(tmp_path, tiny_model)
+    with pytest.raises(OSError, match="No space left"):
+        pipeline.ensure(cfg)
+    assert calls and list((tmp_path / "storage" / "prepared").iterdir()) == []
+    monkeypatch.setattr(pipeline, "write_unit", real)
+    folder, manifest = pipeline.ensure(cfg)
+    assert manifest["splits"]["train"]["blocks"] > 0 and (folder / store.MANIFEST).exists()
+
+
+def test_a_deleted_prepared_dataset_is_prepared_again_to_the_same_bytes(tiny_model, tmp_path):
+    cfg = chat_config(tmp_path, tiny_model, eval_fraction=0.1)
+    folder, manifest = pipeline.ensure(cfg)
+    before = hashes(folder)
+    store.remove_tree(folder)
+    again, _ = pipeline.ensure(cfg)
+    assert again == folder and hashes(again) == before
+    assert manifest["splits"]["eval"]["rows"] == 60 and manifest["splits"]["train"]["rows"] == 540
+
+
+def test_too_few_tokens_for_one_packed_block_is_named_and_nothing_is_kept(tiny_model, tmp_path):
+    cfg = config(tmp_path, tiny_model, split="train[:3]", seq_length=1024)
+    with pytest.raises(Problem, match=r"data.seq_length: the split yields no training sequence \(packing keeps"):
+        pipeline.ensure(cfg)
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind,limit", [("text", 4.5), ("chat", 5.0)])
+def test_prepared_data_is_compact(tiny_model, tmp_path, kind, limit):
+    """Token ids as int32, text's labels and every position derived, chat's targets one byte a token."""
+    cfg = chat_config(tmp_path, tiny_model) if kind == "chat" else config(tmp_path, tiny_model)
+    folder, manifest = pipeline.ensure(cfg)
+    split = manifest["splits"]["train"]
+    on_disk = sum(p.stat().st_size for p in (folder / "train").iterdir())
+    assert split["bytes"] == on_disk
+    assert on_disk / split["tokens"] <= limit, (on_disk, split["tokens"])
+
+
+def test_the_manifest_says_what_was_read_dropped_and_made(tiny_model, tmp_path):
+    rows = CHAT.read_text().splitlines()
+    long = {"messages": [{"role": "user", "content": "word " * 2000}, {"role": "assistant", "content": "ok"}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join([*rows[:50], json.dumps(long)]) + "\n")
+    cfg = chat_config(tmp_path, tiny_model, dataset=str(path), seq_length=512)
+    folder, manifest = pipeline.ensure(cfg)
+    train = manifest["splits"]["train"]
+    assert (train["rows"], train["too_long"], train["documents"]) == (51, 1, 50)
+    assert 0 < train["targets"] < train["tokens"] and train["blocks"] == len(store.PreparedSplit.open(folder, "train"))
+    assert manifest["sources"] == [{"dataset": str(path), "split": "train", "rows": 51}]
+    assert manifest["layout"] == "blocks" and manifest["format"] == "chat" and manifest["seconds"] >= 0
+    assert list(manifest["nodes"].values()) == [1]
+    assert os.path.basename(folder) == manifest["key"] == pipeline.key_of(cfg)
