@@ -134,3 +134,47 @@ def test_two_nodes_checkpoint_then_resume_on_one(tiny_model, tmp_path):
         assert "written by 2 workers" in log2 and "gradient_accumulation_steps 1 -> 2" in log2, log2[-4000:]
         assert "resumed from" in log2 and "global step 4" in log2, log2[-4000:]
         assert "done: multinode at global step 8" in log2, log2[-3000:]
+
+
+def test_preparation_runs_on_every_node_of_the_cluster(tiny_model, tmp_path):
+    """`finetune prepare` against a cluster of two nodes of one CPU each (a head and a worker "pod", as KubeRay's
+    CPU group would be): the data's three units are encoded by Ray Data actors on both nodes, the manifest says
+    so, and the bytes equal those this process prepares alone."""
+    import json
+
+    from conftest import CORPUS
+
+    env = {**os.environ, **CLI_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    temp = Path(tempfile.mkdtemp(prefix="rmp-", dir="/tmp"))
+    corpus = tmp_path / "news.jsonl"
+    corpus.write_text(CORPUS.read_text() * 5)  # 10,000 rows: 3 units of 4,096
+    sets = {"data.dataset": str(corpus), "data.eval_fraction": 0}
+    args = ("prepare", *tiny_overrides(tmp_path / "pvc", "prep", tiny_model, **sets))
+    with ExitStack() as stack:
+        head = Node(
+            ["--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp}"],
+            tmp_path / "head.log",
+            env,
+        )
+        stack.callback(shutil.rmtree, temp, ignore_errors=True)
+        stack.callback(head.stop)
+        pod = Node([f"--address={address}", "--num-cpus=1"], tmp_path / "pod.log", env)
+        stack.callback(pod.stop)
+        wait_for_cpus(address, 2, env, [head, pod])
+        done = run_cli(*args, env={**env, "RAY_ADDRESS": address})
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    folder = Path(next(line for line in done.stdout.splitlines() if line.startswith("prepared: ")).split(": ", 1)[1])
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert len(manifest["nodes"]) == 2 and sum(manifest["nodes"].values()) == 3, manifest["nodes"]
+    assert "on up to 2 CPUs (Ray Data)" in log
+
+    alone = run_cli(*args, "--set", f"experiment.storage_path={tmp_path / 'alone'}", env=env)  # a local cluster
+    assert alone.returncode == 0, (alone.stdout + alone.stderr)[-4000:]
+    again = Path(next(line for line in alone.stdout.splitlines() if line.startswith("prepared: ")).split(": ", 1)[1])
+    assert again.name == folder.name
+    for file in sorted((folder / "train").iterdir()):
+        assert (again / "train" / file.name).read_bytes() == file.read_bytes(), file.name
