@@ -193,8 +193,10 @@ def keep_template(tokenizer, cfg) -> None:
     """The tokenizer that checkpoints and the final model are saved with carries data.chat_template: the model is
     then prompted as it was trained (apply_chat_template, vLLM and TGI read it from tokenizer_config.json), where a
     base tokenizer had none or another."""
-    if cfg.chat_template:
-        tokenizer.chat_template = template_of(cfg, tokenizer)
+    for source, _ in cfg.sources():  # a mixture's: the first template a source names
+        if source.chat_template:
+            tokenizer.chat_template = template_of(source, tokenizer)
+            return
 
 
 def template_name(cfg) -> str:

@@ -336,10 +336,14 @@ def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     steps = f"{t.max_steps_per_epoch} steps" if t.max_steps_per_epoch else "all batches"
     zero = ds.get("zero_optimization", {}).get("stage", 0)
     d = cfg.data
-    splits = data_files.folder_splits(d.dataset, d.config_name, d.split)
+    if d.datasets:
+        shown = ", ".join(f"{source.dataset} x{weight:g}" for source, weight in d.sources())
+        what = f"a mixture of {len(d.datasets)} sources: {shown} ("
+    else:
+        splits = data_files.folder_splits(d.dataset, d.config_name, d.split)
+        what = f"{d.dataset} ({splits + '; ' if splits else ''}"
     return (
-        f"model: {cfg.model.name_or_path}   data: {d.dataset} ({splits + '; ' if splits else ''}"
-        f"{d.seq_length} tokens/sequence)\n"
+        f"model: {cfg.model.name_or_path}   data: {what}{d.seq_length} tokens/sequence)\n"
         f"train: {t.epochs} epoch(s) x {steps}, {s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, ZeRO-{zero}, "
         f"{t.precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
         f"{ds.get('gradient_accumulation_steps')}, lr {t.learning_rate:g} ({t.lr_scheduler})"

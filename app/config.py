@@ -174,6 +174,34 @@ class ModelConfig(Section):
         return _usable_path(v)
 
 
+FORMATS = Literal["auto", "text", "chat", "prompt_completion"]
+SOURCE_KEYS = ("dataset", "split", "config_name", "format", "text_field", "chat_template")
+
+
+class SourceConfig(Section):
+    """One source of a mixture (data.datasets); a key left out takes the data section's value."""
+
+    dataset: str = Field(..., description="As data.dataset: a hub dataset, local files or a save_to_disk folder.")
+    split: str | None = Field(None, description="As data.split; null: data.split.")
+    config_name: str | None = Field(None, description="As data.config_name; null: data.config_name.")
+    format: FORMATS | None = Field(None, description="As data.format; null: data.format.")
+    text_field: str | None = Field(None, description="As data.text_field; null: data.text_field.")
+    chat_template: str | None = Field(None, description="As data.chat_template; null: data.chat_template.")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=1e6,
+        description="This source's share of the training rows, against the other sources' weights (LLaMA-Factory's "
+        "interleave_probs): each source gives weight/sum(weights) of the rows, as many in all as the first source "
+        "to run out allows; which rows, by train.seed.",
+    )
+
+    @field_validator("dataset")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _usable_path(v)
+
+
 class DataConfig(Section):
     # _one_eval_source, for helm: values.schema.json carries it to `helm install`.
     model_config = ConfigDict(
@@ -195,7 +223,7 @@ class DataConfig(Section):
     )
     split: str = Field("train[:1%]", description="Split with the `datasets` slicing syntax.")
     text_field: str = Field("text", description="Column holding the text to train on (format text).")
-    format: Literal["auto", "text", "chat", "prompt_completion"] = Field(
+    format: FORMATS = Field(
         "auto",
         description="text: raw text, every token a target; chat: a 'messages' column of {role, content} lists "
         "(roles system, user, assistant, tool; an assistant turn may carry tool_calls, and an optional 'tools' "
@@ -239,11 +267,31 @@ class DataConfig(Section):
         "workers start); null: every CPU of the Ray cluster. Not part of the prepared data's key.",
     )
     loader_workers: int = Field(1, ge=0, le=64, description="DataLoader worker processes per training worker.")
+    datasets: list[SourceConfig] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="A mixture: a list of sources, each {dataset, split, config_name, format, text_field, "
+        "chat_template, weight}, prepared each with its own format and template and mixed by weight (see weight); "
+        "null: the one source of data.dataset and the keys above. Each source's eval split (data.eval_split, or "
+        "data.eval_fraction of its rows) joins the eval split whole.",
+    )
 
     @field_validator("dataset")
     @classmethod
     def _path(cls, v: str) -> str:
         return _usable_path(v)
+
+    def sources(self) -> list[tuple[DataConfig, float]]:
+        """Each source as a data section of its own (the keys it leaves out from this one) and its weight; the
+        single source of data.dataset when data.datasets is null."""
+        if not self.datasets:
+            return [(self, 1.0)]
+        out = []
+        for source in self.datasets:
+            own = {k: getattr(source, k) for k in SOURCE_KEYS if getattr(source, k) is not None}
+            out.append((self.model_copy(update={**own, "datasets": None}), source.weight))
+        return out
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataConfig:

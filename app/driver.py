@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from app import data, data_files, ds_config, logs, preemption, preflight
-from app.config import ConfigError, Problem, TrainingConfig
+from app.config import SOURCE_KEYS, ConfigError, DataConfig, Problem, TrainingConfig
 from app.lease import Lease
 from app.model import (
     check_seq_length,
@@ -260,14 +260,30 @@ def check(
 def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Problem]:
     """The data, storage, model-file and DeepSpeed-block checks, which need no model config and no cluster."""
     problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
-    try:
-        problems += data.check_source(cfg.data, cfg.model)
-    except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
-        problems.append(
-            Problem("data.dataset", cfg.data.dataset, f"cannot be listed ({exc})", "point it at your data files")
-        )
-    named = {p.field for p in problems}  # e.g. a saved DatasetDict's missing split, found by check_source
-    return problems + [p for p in preflight.problems(cfg, offline) if p.field not in named]
+    for n, (source, _) in enumerate(cfg.data.sources()):
+        try:
+            found = data.check_source(source, cfg.model)
+        except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
+            found = [
+                Problem("data.dataset", source.dataset, f"cannot be listed ({exc})", "point it at your data files")
+            ]
+        named = {p.field for p in found}  # e.g. a saved DatasetDict's missing split, found by check_source
+        found += [p for p in preflight.split_problems(cfg.model_copy(update={"data": source})) if p.field not in named]
+        problems += in_source(found, cfg.data, n)
+    return problems + preflight.problems(cfg, offline)
+
+
+def in_source(problems: list[Problem], d: DataConfig, n: int) -> list[Problem]:
+    """The problems of a mixture's source n under its own keys (data.datasets[n].split); as they are for the
+    single source of data.dataset."""
+    if not d.datasets:
+        return problems
+    out = []
+    for p in problems:
+        key = p.field.removeprefix("data.")
+        field = f"data.datasets[{n}].{key}" if key in SOURCE_KEYS else p.field
+        out.append(Problem(field, p.value, p.message, p.fix))
+    return out
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:

@@ -31,7 +31,7 @@ START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 def problems(cfg: TrainingConfig, offline: bool = True) -> list[Problem]:
     """Every check here that needs no cluster; the hub is asked only when `offline` is false."""
-    return model_problems(cfg, offline) + split_problems(cfg) + deepspeed_problems(cfg)
+    return model_problems(cfg, offline) + deepspeed_problems(cfg)  # a data source's splits: driver's, per source
 
 
 # --- model and tokenizer -----------------------------------------------------------------------------------

@@ -592,8 +592,8 @@ def test_a_bad_row_beyond_the_sample_is_named_by_file_and_line(tmp_path):
 
 def test_a_bad_row_found_by_the_workers_ends_the_run_with_its_line(tmp_path, tiny_model):
     """Real Ray and DeepSpeed, one CPU worker: line 1,501 of the data is broken, beyond what validate samples. The run
-    ends with exit 1 and one line naming the file and the line, no parser traceback in the error; no half-written
-    data cache is left and the lease is released."""
+    ends as its data is prepared, before any training worker starts, with exit 2 and one line naming the file and
+    the line, no parser traceback in the error; no half-written prepared dataset is left and the lease is released."""
     from conftest import run_cli, tiny_overrides
 
     path = tmp_path / "d.jsonl"
@@ -602,12 +602,14 @@ def test_a_bad_row_found_by_the_workers_ends_the_run_with_its_line(tmp_path, tin
         "train",
         *tiny_overrides(tmp_path / "s", "badrow", tiny_model, **{"data.dataset": path, "scaling.num_workers": 1}),
     )
-    assert result.returncode == 1, result.stderr[-4000:]
+    assert result.returncode == 2, result.stderr[-4000:]
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1, result.stderr[-4000:]
-    assert "data.dataset: line 1501 is not JSON: " in lines[0] and str(path) in lines[0] and "[rank 0]" in lines[0]
+    assert "data.dataset: line 1501 is not JSON: " in lines[0] and str(path) in lines[0]
+    assert "starting 1 training workers" not in result.stderr
     run_dir = tmp_path / "s" / "badrow"
-    assert not list((run_dir / "cache").glob("*")) if (run_dir / "cache").exists() else True
+    prepared = tmp_path / "s" / "prepared"
+    assert not prepared.exists() or list(prepared.iterdir()) == []
     assert not (run_dir / ".lease").exists()
 
 

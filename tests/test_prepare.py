@@ -211,7 +211,65 @@ def test_the_manifest_says_what_was_read_dropped_and_made(tiny_model, tmp_path):
     train = manifest["splits"]["train"]
     assert (train["rows"], train["too_long"], train["documents"]) == (51, 1, 50)
     assert 0 < train["targets"] < train["tokens"] and train["blocks"] == len(store.PreparedSplit.open(folder, "train"))
-    assert manifest["sources"] == [{"dataset": str(path), "split": "train", "rows": 51}]
+    assert manifest["sources"] == [
+        {"dataset": str(path), "split": "train", "format": "chat", "weight": 1.0, "rows": 51, "taken": 51}
+    ]
     assert manifest["layout"] == "blocks" and manifest["format"] == "chat" and manifest["seconds"] >= 0
     assert list(manifest["nodes"].values()) == [1]
     assert os.path.basename(folder) == manifest["key"] == pipeline.key_of(cfg)
+
+
+def mixture(tmp_path: Path, model: Path, **fields) -> TrainingConfig:
+    sources = [
+        {"dataset": str(CORPUS), "format": "text", "weight": 3},
+        {"dataset": str(CHAT), "format": "chat", "chat_template": "zephyr", "weight": 1},
+    ]
+    return config(tmp_path, model, datasets=sources, seq_length=128, **fields)
+
+
+def test_a_mixture_takes_each_source_by_its_weight_with_its_own_format(tiny_model, tmp_path):
+    """2,000 news rows at weight 3 and 600 conversations at weight 1: the conversations run out first, at 2,400
+    rows in all, so 1,800 news rows and 600 conversations; each source packed its own way, the blocks of both
+    readable in one batch, and the same mixture again after the prepared dataset is gone."""
+    cfg = mixture(tmp_path, tiny_model)
+    folder, manifest = pipeline.ensure(cfg)
+    assert [(s["format"], s["rows"], s["taken"]) for s in manifest["sources"]] == [
+        ("text", 2000, 1800),
+        ("chat", 600, 600),
+    ]
+    units = manifest["splits"]["train"]["units"]
+    assert {(u["source"], u["layout"]) for u in units} == {(0, "stream"), (1, "blocks")}
+    assert manifest["format"] == "mixture" and manifest["layout"] == "mixed"
+    train = store.PreparedSplit.open(folder, "train")
+    text_block, chat_block = train[0], train[len(train) - 1]
+    assert set(text_block) == set(chat_block) == {"input_ids", "labels", "position_ids"}
+    batch = data.PackedCollator(manifest["eos_id"])([text_block, chat_block])
+    assert batch["input_ids"].shape == (2, 128) and (batch["labels"][1] == -100).any()
+    before = hashes(folder)
+    store.remove_tree(folder)
+    assert hashes(pipeline.ensure(cfg)[0]) == before
+    other = cfg.model_copy(deep=True)
+    other.data.datasets[0].weight = 1
+    assert pipeline.key_of(other) != pipeline.key_of(cfg)
+    seeded = cfg.model_copy(deep=True)
+    seeded.train.seed = 7  # another draw of the rows
+    assert pipeline.key_of(seeded) != pipeline.key_of(cfg)
+
+
+def test_a_mixture_trains_and_names_a_bad_source_by_its_index(tiny_model, tmp_path):
+    from conftest import run_cli, tiny_overrides
+
+    sources = json.dumps(
+        [
+            {"dataset": str(CORPUS), "weight": 1},
+            {"dataset": str(CHAT), "format": "chat", "chat_template": "zephyr", "weight": 1},
+        ]
+    )
+    args = tiny_overrides(tmp_path, "mix", tiny_model, **{"data.datasets": sources, "train.max_steps_per_epoch": 3})
+    done = run_cli("train", *args)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert "a mixture of 2 sources" in log and "mixture: 600 of 600 rows" in log, log[-4000:]
+    bad = json.dumps([{"dataset": str(CORPUS)}, {"dataset": str(CHAT), "split": "test"}])
+    refused = run_cli("validate", *tiny_overrides(tmp_path, "mix2", tiny_model, **{"data.datasets": bad}))
+    assert refused.returncode == 2 and "data.datasets[1].split" in refused.stderr, refused.stderr[-2000:]

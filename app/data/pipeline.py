@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,18 +58,26 @@ def root_of(storage_path: str) -> Path:
 
 def key_fields(cfg: TrainingConfig) -> dict[str, Any]:
     d = cfg.data
+    sources = d.sources()
     return {
         "version": VERSION,
         "unit_rows": UNIT_ROWS,  # the packing groups
-        "data": data_identity(d),
-        "config_name": d.config_name,
-        "split": d.split,
+        "sources": [
+            {
+                "data": data_identity(source),
+                "config_name": source.config_name,
+                "split": source.split,
+                "text_field": source.text_field,
+                "format": source.format,
+                "template": chat.TEMPLATES.get(source.chat_template, source.chat_template),
+                "weight": weight if len(sources) > 1 else None,
+            }
+            for source, weight in sources
+        ],
         "eval_split": d.eval_split,
         "eval_fraction": d.eval_fraction,
-        "eval_seed": cfg.train.seed if d.eval_fraction else None,  # the seed picks the held-out rows
-        "text_field": d.text_field,
-        "format": d.format,
-        "template": chat.TEMPLATES.get(d.chat_template, d.chat_template),
+        # The seed picks the held-out rows and a mixture's rows.
+        "seed": cfg.train.seed if d.eval_fraction or len(sources) > 1 else None,
         "train_on_prompt": d.train_on_prompt,
         "seq_length": d.seq_length,
         "packing": d.packing,
@@ -144,29 +153,58 @@ def summary(manifest: dict[str, Any]) -> str:
     return text + f"; {size / max(tokens, 1):.2f} bytes a token, prepared in {manifest['seconds']:.1f} s"
 
 
+@dataclass
+class Source:
+    """One source of the data, read: its own data section, weight and format, and its rows per split with the
+    split their indices number (for error messages)."""
+
+    data: DataConfig
+    weight: float
+    fmt: str
+    splits: dict[str, tuple[Any, str]]
+    read: int = 0
+
+    def described(self) -> dict[str, Any]:
+        train = self.splits["train"][0]
+        return {
+            "dataset": self.data.dataset,
+            "split": self.data.split,
+            "format": self.fmt,
+            "weight": self.weight,
+            "rows": self.read,
+            "taken": len(train),
+        }
+
+
 def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
     """Prepares the data into `folder` (temporary name, then rename) and returns its manifest."""
     from app.model import load_tokenizer
 
     started = time.time()
     tokenizer = load_tokenizer(cfg.model)
-    splits, fmt = raw_splits(cfg.data, cfg.train.seed)
+    sources = [read_source(d, weight, cfg.train.seed) for d, weight in cfg.data.sources()]
+    mix(sources, cfg.train.seed)
     tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        train = splits["train"][0]
-        if len(train) and (problem := first_row_problem(cfg.data, fmt, train[0], tokenizer, locator(cfg.data))):
-            raise problem
-        results = {name: run_split(cfg, fmt, name, raw, where, tmp, tokenizer) for name, (raw, where) in splits.items()}
+        for source in sources:
+            train = source.splits["train"][0]
+            if len(train) and (
+                problem := first_row_problem(source.data, source.fmt, train[0], tokenizer, locator(source.data))
+            ):
+                raise problem
+        names = ["train"] + (["eval"] if any("eval" in source.splits for source in sources) else [])
+        results = {name: run_split(cfg, sources, name, tmp, tokenizer) for name in names}
         no_training_sequence(cfg.data, results["train"])
+        layouts = {layout_of(source.fmt, cfg.data.packing) for source in sources}
         manifest = {
             "key": folder.name,
             "identity": key_fields(cfg),
-            "format": fmt,
-            "layout": layout_of(fmt, cfg.data.packing),
+            "format": sources[0].fmt if len(sources) == 1 else "mixture",
+            "layout": layouts.pop() if len(layouts) == 1 else "mixed",
             "seq_length": cfg.data.seq_length,
             "pad_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             "eos_id": tokenizer.eos_token_id,
-            "sources": [{"dataset": cfg.data.dataset, "split": cfg.data.split, "rows": results["train"]["rows"]}],
+            "sources": [source.described() for source in sources],
             "splits": results,
             "nodes": nodes_of(results),
             "seconds": round(time.time() - started, 2),
@@ -196,30 +234,53 @@ def locator(d: DataConfig, split: str | None = None):
     return functools.partial(row_location, d.dataset, split or d.split, config=d.config_name)
 
 
-def raw_splits(d: DataConfig, seed: int) -> tuple[dict[str, tuple[Any, str]], str]:
-    """{'train': (rows, the split they are numbered in), 'eval': ...} as `datasets` reads them, and the format."""
+def read_source(d: DataConfig, weight: float, seed: int) -> Source:
+    """A source's rows as `datasets` reads them, its format, and its eval rows (data.eval_split, or
+    data.eval_fraction of its split, picked by the seed)."""
     raw = load_split(d, d.split)
     evalset = load_split(d, d.eval_split) if d.eval_split else None
     fmt = chat.resolve_format(d.format, raw.column_names, d.text_field)
-    log.info(f"data format: {fmt}" + (" (data.format auto, from the columns)" if d.format == "auto" else ""))
+    log.info(
+        f"data format of {d.dataset}: {fmt}" + (" (data.format auto, from the columns)" if d.format == "auto" else "")
+    )
     if fmt == "text" and d.text_field not in raw.column_names:
         raise Problem(
             "data.text_field",
             d.text_field,
-            f"no such column; the columns are {raw.column_names}",
+            f"no such column in {d.dataset}; the columns are {raw.column_names}",
             "set data.text_field",
         )
     if fmt != "text":  # numbered before the eval split takes rows out, so that a bad row is named by its place
         raw = raw.add_column(chat.ROW, list(range(len(raw))))
         if evalset is not None:
             evalset = evalset.add_column(chat.ROW, list(range(len(evalset))))
+    read = len(raw)
     if d.eval_fraction:
         parts = raw.train_test_split(test_size=d.eval_fraction, seed=seed)
-        return {"train": (parts["train"], d.split), "eval": (parts["test"], d.split)}, fmt
-    out = {"train": (raw, d.split)}
+        raw, evalset = parts["train"], parts["test"]
+    splits = {"train": (raw, d.split)}
     if evalset is not None:
-        out["eval"] = (evalset, d.eval_split)
-    return out, fmt
+        splits["eval"] = (evalset, d.eval_split or d.split)
+    return Source(d, weight, fmt, splits, read)
+
+
+def mix(sources: list[Source], seed: int) -> None:
+    """A mixture's training rows: each source gives weight/sum(weights) of them, as many in all as the first source
+    to run out allows (LLaMA-Factory's interleave_probs, stopping at the first exhausted); which rows of a source,
+    by the seed, kept in their order in the source. One source keeps all of its rows."""
+    if len(sources) < 2:
+        return
+    import numpy as np
+
+    total = sum(source.weight for source in sources)
+    shares = [source.weight / total for source in sources]
+    rows = min(len(source.splits["train"][0]) / share for source, share in zip(sources, shares))
+    for n, (source, share) in enumerate(zip(sources, shares)):
+        train, numbered_in = source.splits["train"]
+        taken = min(len(train), int(round(share * rows)))
+        chosen = np.sort(np.random.default_rng([seed, n]).permutation(len(train))[:taken])
+        source.splits["train"] = (train.select(chosen), numbered_in)
+        log.info(f"mixture: {taken:,} of {len(train):,} rows of {source.data.dataset} (weight {source.weight:g})")
 
 
 def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
@@ -247,29 +308,52 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
 COUNTS = ("rows", "empty", "too_long", "truncated", "single_token", "documents", "tokens", "targets", "blocks", "cut")
 
 
-def run_split(cfg: TrainingConfig, fmt: str, name: str, raw, numbered_in: str, tmp: Path, tokenizer) -> dict:
-    """The split's units, encoded and written into `tmp` (by Ray Data when there is more than one unit and a Ray
-    cluster, else here), and their totals."""
-    arrow = raw.with_format("arrow")
-    bounds = [(lo, min(lo + UNIT_ROWS, len(raw))) for lo in range(0, len(raw), UNIT_ROWS)]
-    options = {"config": cfg.model_dump(mode="json"), "fmt": fmt, "split": name, "numbered_in": numbered_in}
-    options["folder"] = str(tmp)
-    if len(bounds) <= 1 or not _ray_up():
+def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, tokenizer) -> dict:
+    """The split's units, source after source, encoded and written into `tmp` (by Ray Data when there is more than
+    one unit and a Ray cluster, else here), and their totals."""
+    units = []  # (source, its rows of one unit)
+    for n, source in enumerate(sources):
+        if name in source.splits:
+            arrow = source.splits[name][0].with_format("arrow")
+            units += [(n, arrow[lo : lo + UNIT_ROWS]) for lo in range(0, len(arrow), UNIT_ROWS)]
+    options = {
+        "config": cfg.model_dump(mode="json"),
+        "sources": [
+            {
+                "data": s.data.model_dump(mode="json"),
+                "fmt": s.fmt,
+                "numbered_in": s.splits[name][1] if name in s.splits else None,
+            }
+            for s in sources
+        ],
+        "split": name,
+        "folder": str(tmp),
+    }
+    if len(units) <= 1 or not _ray_up():
         preparer = UnitPreparer(**options, tokenizer=tokenizer)
         done = []
-        for n, (lo, hi) in enumerate(bounds):
-            done.append(preparer({"unit": n, "rows": arrow[lo:hi]}))
+        for n, (source, rows) in enumerate(units):
+            done.append(preparer({"unit": n, "source": source, "rows": rows}))
             _counts(done[-1])
     else:
-        done = _on_ray(cfg, name, options, [arrow[lo:hi] for lo, hi in bounds], len(raw))
-    units = sorted((json.loads(row["result"]) for row in done), key=lambda u: u["unit"])
-    totals = {c: sum(u["counts"].get(c, 0) for u in units) for c in COUNTS}
+        done = _on_ray(cfg, name, options, units)
+    found = sorted((json.loads(row["result"]) for row in done), key=lambda u: u["unit"])
+    totals = {c: sum(u["counts"].get(c, 0) for u in found) for c in COUNTS}
     report(totals, "training" if name == "train" else "eval", cfg.data)
     return {
         **totals,
-        "bytes": sum(u["bytes"] for u in units),
-        "units": [{"unit": u["unit"], "blocks": u["counts"]["blocks"], "arrays": u["arrays"]} for u in units],
-        "nodes": [u["node"] for u in units],
+        "bytes": sum(u["bytes"] for u in found),
+        "units": [
+            {
+                "unit": u["unit"],
+                "source": u["source"],
+                "layout": u["layout"],
+                "blocks": u["counts"]["blocks"],
+                "arrays": u["arrays"],
+            }
+            for u in found
+        ],
+        "nodes": [u["node"] for u in found],
     }
 
 
@@ -281,7 +365,7 @@ def _ray_up() -> bool:
     return ray.is_initialized()
 
 
-def _on_ray(cfg: TrainingConfig, name: str, options: dict, tables: list, rows: int) -> list[dict]:
+def _on_ray(cfg: TrainingConfig, name: str, options: dict, units: list) -> list[dict]:
     """Each unit one row of a Ray Data dataset, encoded by a pool of actors over the cluster's CPUs."""
     import pyarrow as pa
     import ray
@@ -289,14 +373,15 @@ def _on_ray(cfg: TrainingConfig, name: str, options: dict, tables: list, rows: i
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the app logs its own progress lines
     items = []
-    for n, table in enumerate(tables):
+    for n, (source, table) in enumerate(units):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
-        items.append({"unit": n, "rows": sink.getvalue().to_pybytes(), "count": table.num_rows})
+        items.append({"unit": n, "source": source, "rows": sink.getvalue().to_pybytes()})
+    rows = sum(table.num_rows for _, table in units)
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    actors = max(1, min(len(tables), cfg.data.num_proc or cpus, cpus))
-    log.info(f"preparing {name}: {rows:,} rows in {len(tables)} units on up to {actors} CPUs (Ray Data)")
+    actors = max(1, min(len(units), cfg.data.num_proc or cpus, cpus))
+    log.info(f"preparing {name}: {rows:,} rows in {len(units)} units on up to {actors} CPUs (Ray Data)")
     encoded = ray.data.from_items(items).map(
         UnitPreparer, fn_constructor_kwargs=options, concurrency=actors, num_cpus=1
     )
@@ -334,31 +419,41 @@ class Progress:
 
 
 class UnitPreparer:
-    """A Ray Data actor (or, for one unit, the driver): loads the tokenizer once, then encodes units and writes
-    their arrays into the prepared dataset's temporary folder."""
+    """A Ray Data actor (or, for one unit, the driver): loads the tokenizer once, then encodes units of any source
+    (an encoder per source: its format and template) and writes their arrays into the temporary folder."""
 
-    def __init__(self, config: dict, fmt: str, split: str, numbered_in: str, folder: str, tokenizer=None):
+    def __init__(self, config: dict, sources: list[dict], split: str, folder: str, tokenizer=None):
         from app.model import load_tokenizer
 
         cfg = TrainingConfig.model_validate(config)
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        self.encoder = UnitEncoder(cfg.data, fmt, tokenizer, locator(cfg.data, numbered_in))
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        self.sources, self.encoders = sources, {}
+        self.packing = cfg.data.packing
         self.split, self.folder = split, Path(folder)
         self.node = _node()
 
+    def encoder(self, n: int) -> UnitEncoder:
+        if n not in self.encoders:
+            source = self.sources[n]
+            d = DataConfig.model_validate(source["data"])
+            self.encoders[n] = UnitEncoder(d, source["fmt"], self.tokenizer, locator(d, source["numbered_in"]))
+        return self.encoders[n]
+
     def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
-        rows = item["rows"]
+        rows, source = item["rows"], int(item["source"])
         if isinstance(rows, (bytes, bytearray, memoryview)):
             import pyarrow as pa
 
             rows = pa.ipc.open_stream(rows).read_all()
         try:
-            unit = self.encoder(rows.to_pydict())
+            unit = self.encoder(source)(rows.to_pydict())
         except Problem as exc:  # a bad row: the driver raises it as it is, not inside Ray's task error
             return {"result": json.dumps({"problem": [exc.field, exc.value, exc.message, exc.fix]})}
         written = write_unit(self.folder, self.split, int(item["unit"]), unit.arrays())
-        result = {"unit": int(item["unit"]), "counts": unit.counts, "arrays": list(unit.arrays()), "bytes": written}
-        return {"result": json.dumps({**result, "node": self.node})}
+        layout = layout_of(self.sources[source]["fmt"], self.packing)
+        result = {"unit": int(item["unit"]), "source": source, "layout": layout, "counts": unit.counts}
+        result.update(arrays=list(unit.arrays()), bytes=written, node=self.node)
+        return {"result": json.dumps(result)}
 
 
 def _node() -> str:

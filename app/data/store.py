@@ -52,9 +52,13 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 class PreparedSplit(torch.utils.data.Dataset):
     """One split of a prepared dataset, block by block, from memory-mapped files (or from units in memory)."""
 
-    def __init__(self, layout: str, seq_length: int, pad_id: int, units: list[dict[str, Any]], load):
-        self.layout, self.seq, self.pad = layout, seq_length, pad_id
+    def __init__(self, layout: str, seq_length: int, pad_id: int, units: list[dict[str, Any]], load, eos_id=None):
+        self.seq, self.pad, self.eos = seq_length, pad_id, eos_id
         self.units, self._load = units, load
+        self.layouts = [u.get("layout", layout) for u in units]
+        # A mixture of packed text and packed conversations: text blocks carry position ids too, so that every
+        # block of a batch tells the collator where its documents start the same way.
+        self.positions_everywhere = len(set(self.layouts)) > 1
         self.starts = np.cumsum([0] + [u["blocks"] for u in units], dtype=np.int64)
         self._open: dict[int, dict[str, np.ndarray]] = {}
 
@@ -70,7 +74,7 @@ class PreparedSplit(torch.utils.data.Dataset):
             names = units[unit]["arrays"]
             return {n: np.load(unit_path(folder, split, units[unit]["unit"], n), mmap_mode="r") for n in names}
 
-        return cls(manifest["layout"], manifest["seq_length"], manifest["pad_id"], units, load)
+        return cls(manifest["layout"], manifest["seq_length"], manifest["pad_id"], units, load, manifest["eos_id"])
 
     @classmethod
     def in_memory(cls, layout: str, seq_length: int, pad_id: int, arrays: list[dict[str, np.ndarray]], blocks):
@@ -93,11 +97,17 @@ class PreparedSplit(torch.utils.data.Dataset):
         unit = int(np.searchsorted(self.starts, i, side="right")) - 1
         if unit not in self._open:
             self._open[unit] = self._load(unit)
-        arrays, local = self._open[unit], i - int(self.starts[unit])
-        if self.layout == "stream":
+        arrays, local, layout = self._open[unit], i - int(self.starts[unit]), self.layouts[unit]
+        if layout == "stream":
             ids = torch.from_numpy(arrays["tokens"][local * self.seq : (local + 1) * self.seq].astype(np.int64))
-            return {"input_ids": ids, "labels": ids.clone()}
-        if self.layout == "blocks":
+            block = {"input_ids": ids, "labels": ids.clone()}
+            if self.positions_everywhere:
+                starts = torch.ones_like(ids, dtype=torch.bool)
+                starts[1:] = ids[:-1] == self.eos  # as app.data.document_starts finds them
+                index = torch.arange(len(ids))
+                block["position_ids"] = index - torch.where(starts, index, 0).cummax(dim=0).values
+            return block
+        if layout == "blocks":
             return self._block(arrays, local)
         return self._row(arrays, local)
 
