@@ -451,7 +451,12 @@ def data_for(cfg: TrainingConfig) -> dict[str, str]:
     if (own / "done").exists():
         log.info(f"data: {own}, the tokenized cache this experiment started on")
         return {"cache": str(own)}
+    from app.checkpoint import write_atomic
+    from app.data.manifest import EXPERIMENT_RECORD
+
     folder, _ = pipeline.ensure(cfg)
+    # Which prepared dataset this experiment reads, for `finetune status` (the key's folder is shared).
+    write_atomic(cfg.experiment_dir / EXPERIMENT_RECORD, json.dumps({"prepared": str(folder)}) + "\n")
     return {"prepared": str(folder)}
 
 

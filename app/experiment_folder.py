@@ -37,6 +37,7 @@ def describe(run_dir: Path) -> dict[str, Any]:
     final = run_dir / "final"
     record = tracking.read_record(run_dir) or {}
     return {
+        **_data(run_dir),
         "experiment": run_dir.name,
         "folder": str(run_dir),
         "state": status,
@@ -50,6 +51,18 @@ def describe(run_dir: Path) -> dict[str, Any]:
         "mlflow_uri": record.get("tracking_uri"),
         "loss_curve": charts.downsample(train, 60),
     }
+
+
+def _data(run_dir: Path) -> dict[str, Any]:
+    """The prepared dataset the experiment's runs read (its folder and the manifest's one-line summary)."""
+    from app.data import manifest
+
+    try:
+        folder = Path(json.loads((run_dir / manifest.EXPERIMENT_RECORD).read_text())["prepared"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"data": None, "data_summary": None}
+    found = manifest.read_manifest(folder)
+    return {"data": str(folder), "data_summary": manifest.summary(found) if found else "no longer there"}
 
 
 def _finished(run_dir: Path) -> bool:
@@ -73,6 +86,8 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"  checkpoint   {info['last_checkpoint']} (step {info['last_checkpoint_step']})")
     if info["final_model"]:
         lines.append(f"  final model  {info['final_model']}")
+    if info.get("data"):
+        lines.append(f"  data         {info['data']} ({info['data_summary']})")
     if info["mlflow_run"]:
         lines.append(f"  mlflow       run {info['mlflow_run']} at {info['mlflow_uri']}")
     return "\n".join(lines + curve_lines(info["loss_curve"]))

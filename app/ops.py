@@ -260,9 +260,14 @@ def cmd_status(args) -> int:
 
 def cmd_folder_status(args) -> int:
     """`finetune status PATH`: a local experiment folder, read from its files."""
+    from app.data import manifest
+
     run_dir = Path(args.experiment).expanduser().absolute()
     if not run_dir.is_dir():
         raise OpsError(f"{args.experiment}: no such experiment folder (pass <storage>/<experiment>)", EXIT_NOT_FOUND)
+    if (prepared := manifest.read_manifest(run_dir)) is not None:  # <storage>/prepared/<key>
+        print(json.dumps(prepared, indent=2) if args.output == "json" else manifest.render(run_dir, prepared))
+        return EXIT_OK
     info = experiment_folder.describe(run_dir)
     print(json.dumps(info, indent=2) if args.output == "json" else experiment_folder.render(info))
     return EXIT_OK

@@ -273,3 +273,26 @@ def test_a_mixture_trains_and_names_a_bad_source_by_its_index(tiny_model, tmp_pa
     bad = json.dumps([{"dataset": str(CORPUS)}, {"dataset": str(CHAT), "split": "test"}])
     refused = run_cli("validate", *tiny_overrides(tmp_path, "mix2", tiny_model, **{"data.datasets": bad}))
     assert refused.returncode == 2 and "data.datasets[1].split" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_status_shows_a_prepared_dataset_and_which_one_an_experiment_reads(tiny_model, tmp_path):
+    from conftest import run_cli
+
+    from app import experiment_folder
+    from app.checkpoint import write_atomic
+    from app.data.manifest import EXPERIMENT_RECORD
+
+    cfg = chat_config(tmp_path, tiny_model, eval_fraction=0.1)
+    folder, manifest = pipeline.ensure(cfg)
+    shown = run_cli("status", str(folder))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert f"prepared dataset {folder}: chat, train: 540 rows" in shown.stdout
+    assert "left out: too_long" in shown.stdout and "prepared by" in shown.stdout
+    as_json = run_cli("status", str(folder), "-o", "json")
+    assert json.loads(as_json.stdout)["key"] == folder.name
+    run_dir = tmp_path / "storage" / "exp"
+    run_dir.mkdir()
+    write_atomic(run_dir / EXPERIMENT_RECORD, json.dumps({"prepared": str(folder)}))
+    info = experiment_folder.describe(run_dir)
+    assert info["data"] == str(folder) and info["data_summary"].startswith("chat, train: 540 rows")
+    assert f"data         {folder} (chat" in experiment_folder.render(info)

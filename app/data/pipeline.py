@@ -28,7 +28,8 @@ from app import chat
 from app.config import DataConfig, ModelConfig, TrainingConfig
 from app.data import load_split, row_location
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
-from app.data.store import MANIFEST, read_manifest, remove_tree, write_unit
+from app.data.manifest import MANIFEST, read_manifest, summary
+from app.data.store import remove_tree, write_unit
 from app.data_files import is_local, saved_dataset, split_files, split_names
 from app.errors import Problem
 
@@ -138,19 +139,6 @@ def ensure(cfg: TrainingConfig) -> tuple[Path, dict[str, Any]]:
     manifest = prepare(cfg, folder)
     log.info(f"prepared data: {folder} ({summary(manifest)})")
     return folder, manifest
-
-
-def summary(manifest: dict[str, Any]) -> str:
-    train = manifest["splits"]["train"]
-    text = (
-        f"{manifest['format']}, train: {train['rows']:,} rows, {train['documents']:,} documents, "
-        f"{train['tokens']:,} tokens, {train['blocks']:,} blocks of {manifest['seq_length']}"
-    )
-    if "eval" in manifest["splits"]:
-        text += f"; eval: {manifest['splits']['eval']['blocks']:,} blocks"
-    size = sum(s["bytes"] for s in manifest["splits"].values())
-    tokens = sum(s["tokens"] for s in manifest["splits"].values())
-    return text + f"; {size / max(tokens, 1):.2f} bytes a token, prepared in {manifest['seconds']:.1f} s"
 
 
 @dataclass

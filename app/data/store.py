@@ -15,7 +15,6 @@ What a block becomes (`PreparedSplit[i]`), per layout (app.data.encode.layout_of
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-MANIFEST = "manifest.json"
+from app.data.manifest import MANIFEST, read_manifest
 
 
 def unit_path(folder: Path, split: str, unit: int, name: str) -> Path:
@@ -39,14 +38,6 @@ def write_unit(folder: Path, split: str, unit: int, arrays: dict[str, np.ndarray
         np.save(path, array, allow_pickle=False)
         written += path.stat().st_size
     return written
-
-
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of a complete prepared dataset; None where there is none (absent, or not yet complete)."""
-    try:
-        return json.loads((Path(folder) / MANIFEST).read_text())
-    except (FileNotFoundError, NotADirectoryError):
-        return None
 
 
 class PreparedSplit(torch.utils.data.Dataset):
