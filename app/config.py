@@ -383,6 +383,14 @@ class ScalingConfig(Section):
         "an autoscaler is still starting) before the run ends with what the cluster offers. A local cluster is "
         "checked against this machine before it starts.",
     )
+    collective_timeout_s: int = Field(
+        1800,
+        ge=10,
+        le=86_400,
+        description="How long a collective (an all-reduce, a barrier, a parameter gather) waits for every worker "
+        "before the run fails: torch's process-group timeout (NCCL's and gloo's default, 30 minutes). No worker "
+        "waits in one for data: it is prepared before they start.",
+    )
 
 
 MLFLOW_SCHEMES = ("http", "https", "file", "databricks")

@@ -415,7 +415,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
             "data": where,
         },
         # Ray's TorchConfig, less its import of torch in Ray Train's controller process (app/ray_backend.py).
-        torch_config=ProcessGroupConfig(backend="nccl" if s.use_gpu else "gloo"),
+        torch_config=ProcessGroupConfig(backend="nccl" if s.use_gpu else "gloo", timeout_s=s.collective_timeout_s),
         scaling_config=ScalingConfig(
             num_workers=s.num_workers,
             use_gpu=s.use_gpu,

@@ -13,8 +13,10 @@ FINETUNE_FAULT_SAVE_PAUSE=PHASE:SECONDS[:STEP]
       before_state   rank 0, every shard written, trainer_state.json (the completion mark) not yet
       before_report  rank 0, the checkpoint is complete on disk but not yet reported to (registered by) Ray
 
+FINETUNE_FAULT_SLOW_PREPARE=SECONDS
+    Every unit of data preparation (app.data.pipeline) takes SECONDS longer, as a large dataset would.
 FINETUNE_FAULT_RAISE=PHASE:RANK[:STEP]
-    Raise RuntimeError on that rank only: at PHASE "data" (before data preparation) or "step" (after global
+    Raise RuntimeError on that rank only: at PHASE "data" (before it opens the prepared data) or "step" (after global
     step STEP), while the other ranks go on into their next collective, as a bug or a bad row on one rank would.
 FINETUNE_FAULT_NAN_FROM_STEP=N
     From global step N on, every rank's loss is multiplied by NaN before backward, so gradients and then the
@@ -42,6 +44,7 @@ RAISE = "FINETUNE_FAULT_RAISE"
 NAN_FROM_STEP = "FINETUNE_FAULT_NAN_FROM_STEP"
 SAVE_PAUSE = "FINETUNE_FAULT_SAVE_PAUSE"
 SIGTERM_AT_STEP = "FINETUNE_FAULT_SIGTERM_AT_STEP"
+SLOW_PREPARE = "FINETUNE_FAULT_SLOW_PREPARE"
 PHASES = ("before_shards", "mid_shards", "before_state", "before_report")
 
 
@@ -93,6 +96,11 @@ def maybe_sigterm(step: int, rank: int, world: int, run_dir: Path) -> None:
         while not preemption.requested_in_this_process() and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)
+
+
+def maybe_slow_prepare() -> None:
+    if seconds := float(os.environ.get(SLOW_PREPARE) or 0):
+        time.sleep(seconds)
 
 
 def maybe_raise(phase: str, rank: int, step: int | None = None) -> None:

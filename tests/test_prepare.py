@@ -296,3 +296,17 @@ def test_status_shows_a_prepared_dataset_and_which_one_an_experiment_reads(tiny_
     info = experiment_folder.describe(run_dir)
     assert info["data"] == str(folder) and info["data_summary"].startswith("chat, train: 540 rows")
     assert f"data         {folder} (chat" in experiment_folder.render(info)
+
+
+def test_no_worker_waits_in_a_collective_while_the_data_is_prepared(tiny_model, tmp_path):
+    """Preparation that takes longer (30 s) than the process group's timeout (20 s): the workers start once it is
+    done, so the run trains. When rank 0 tokenized while the other ranks waited at a barrier, this run died at it."""
+    from conftest import run_cli, tiny_overrides
+
+    sets = {"scaling.collective_timeout_s": 20, "train.max_steps_per_epoch": 2}
+    done = run_cli(
+        "train", *tiny_overrides(tmp_path, "slow", tiny_model, **sets), env={"FINETUNE_FAULT_SLOW_PREPARE": "30"}
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert log.index("prepared data: ") < log.index("starting 2 training workers") and "done: slow" in log

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app import chat
+from app import chat, faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
 from app.data import load_split, row_location
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
@@ -433,6 +433,7 @@ class UnitPreparer:
             import pyarrow as pa
 
             rows = pa.ipc.open_stream(rows).read_all()
+        faults.maybe_slow_prepare()  # test-only: off unless FINETUNE_FAULT_SLOW_PREPARE
         try:
             unit = self.encoder(source)(rows.to_pydict())
         except Problem as exc:  # a bad row: the driver raises it as it is, not inside Ray's task error
