@@ -112,7 +112,7 @@ def _kernel():
     size) tensors, or None where this torch has none. PyTorch's FlashAttention-2 unless FINETUNE_VARLEN_KERNEL
     names another of KERNELS: FlashAttention-4 ("fa4") is 1.55x faster per layer on an H200 but compiles its
     kernels at the first step (8-14 s a process) and is a beta package, so it is not the default
-    (docs/benchmarks.md, run N)."""
+    (docs/benchmarks.md, "Documents kept apart: the attention kernel")."""
     import os
 
     name = os.environ.get("FINETUNE_VARLEN_KERNEL")

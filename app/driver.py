@@ -126,8 +126,8 @@ def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Pro
 
 
 def compile_problems(cfg: TrainingConfig) -> list[Problem]:
-    """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks.md, run C;
-    DeepCompile too, run O): refuse it here rather than after the cluster and the model are up. FP8 compiles its
+    """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks-history.md;
+    DeepCompile too): refuse it here rather than after the cluster and the model are up. FP8 compiles its
     own casts and needs torchao (a dependency, so installed wherever this runs). Liger's kernels, when required,
     need GPUs; whether liger-kernel (the `gpu` extra) is installed is left to the workers: `validate` of a GPU
     config on a laptop without it is fine."""
@@ -231,7 +231,7 @@ def check(
     with all of them. Reads `cfg`, never changes it. `meanwhile` (starting Ray) runs once every check has passed,
     while the model is counted on the meta device in a thread (the layer sizes of the "auto" ZeRO-3 values): that
     imports transformers' modelling code, seconds of the start-up that then overlap Ray's (docs/benchmarks.md,
-    runs K-M). An invalid config never starts Ray."""
+    "Start-up"). An invalid config never starts Ray."""
     problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg, offline)
     if meanwhile is not None:  # `finetune train`: a local cluster starts here unless RAY_ADDRESS names one
         problems += preflight.resource_problems(cfg)
@@ -368,8 +368,8 @@ def start_ray(cfg: TrainingConfig) -> None:
 def _create_autoscaling_coordinator() -> None:
     """Ray Train's controller registers the workers' resources with Ray Data's autoscaling coordinator, a
     detached actor it creates on first use, and waits up to 5 s for the answer before it starts the workers; on
-    a fresh cluster that actor is not up in time (3.2 s lost in run M). Created here, as soon as Ray is up, it
-    starts while the driver and the controller do (0.4 s in run M). Ray internals: if they change shape, the
+    a fresh cluster that actor is not up in time (3.2 s lost, measured on one H200). Created here, as soon as Ray
+    is up, it starts while the driver and the controller do (0.4 s). Ray internals: if they change shape, the
     controller creates it itself, as before."""
     try:
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (

@@ -226,7 +226,7 @@ def _fill_zero(
     # about two layers: DeepSpeed prefetches whole parameters up to the bucket, so a bucket smaller than a layer
     # fetches nothing ahead, and more lets the next layers' all-gathers overlap this layer's compute; the
     # gradient reduction bucket holds about four layers (fewer, larger reductions). Measured against one layer
-    # and h^2 on Llama 1.1B ZeRO-3, 2 x H200: 5% faster, same losses (docs/benchmarks.md, run I).
+    # and h^2 on Llama 1.1B ZeRO-3, 2 x H200: 5% faster, same losses (docs/benchmarks-history.md).
     ahead = int(2.25 * layer_params) if whole_layers else 0
     prefetch = max(int(0.9 * h * h), ahead)
     derived = dict(zip(_ZERO_DERIVED, (max(h * h, 2 * ahead), prefetch, prefetch, 10 * h, 10 * h)))
