@@ -175,6 +175,24 @@ def cache_fields(cfg, version: str = CACHE_VERSION) -> list[Any]:
     return [cfg.format, cfg.chat_template, cfg.train_on_prompt, version]
 
 
+def template_name_problem(cfg) -> Problem | None:
+    """data.chat_template that is neither a template the app ships nor Jinja (no '{{' or '{%'): a misspelt name
+    would be rendered as the template's whole text, the same string for every row, with no target token."""
+    given = cfg.chat_template
+    if given is None or given in TEMPLATES or "{{" in given or "{%" in given:
+        return None
+    import difflib
+
+    guess = difflib.get_close_matches(given.strip().lower(), list(TEMPLATES), n=1, cutoff=0.5)
+    return Problem(
+        "data.chat_template",
+        given,
+        f"is neither a template the app ships ({', '.join(TEMPLATES)}) nor a Jinja template (it has no '{{{{' or "
+        "'{%')",
+        f"did you mean '{guess[0]}'?" if guess else f"use one of {', '.join(TEMPLATES)}, or write the template",
+    )
+
+
 def template_of(cfg, tokenizer) -> str:
     """The Jinja template: data.chat_template (a shipped name or a template), else the tokenizer's own."""
     if cfg.chat_template:
@@ -680,17 +698,42 @@ def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], token
         tokenizer = tokenizer_of()
     except Exception:  # noqa: BLE001 - e.g. a hub tokenizer out of reach from here: the run checks every row
         return []
+    encoded = []
     try:
         template = template_of(cfg, tokenizer)
         for where, (messages, tools, first_target) in rendered:
-            encode_chat(messages, template, tokenizer, cfg.train_on_prompt, tools, first_target)
+            encoded.append(encode_chat(messages, template, tokenizer, cfg.train_on_prompt, tools, first_target))
     except Problem as problem:
         return [problem]
     except TemplateError as exc:
         return [render_problem(cfg, where, exc)]
     where, (messages, _, _) = rendered[0]
-    problem = markers_problem(cfg, where, messages, template, tokenizer)
+    problem = markers_problem(cfg, where, messages, template, tokenizer) or fit_problem(cfg, encoded)
     return [problem] if problem else []
+
+
+def fit_problem(cfg, encoded: list[tuple[list[int], list[int], list[int]]]) -> Problem | None:
+    """What the sample shows before any cluster starts: no conversation of it fits data.seq_length even cut at a
+    turn boundary (the whole split would likely be dropped), or none of its tokens is a target."""
+    if not encoded:
+        return None
+    if all(all(label == -100 for label in labels) for _, labels, _ in encoded):
+        return Problem(
+            "data.chat_template",
+            template_name(cfg),
+            f"marks no token of the {len(encoded)} sampled conversations as a target (no assistant turn is found)",
+            "use a template that renders the assistant turns (a shipped name, or {% generation %} blocks)",
+        )
+    if all(fit(ids, labels, ends, cfg.seq_length) is None for ids, labels, ends in encoded):
+        need = min(min(ends, default=len(ids)) for ids, _, ends in encoded)
+        return Problem(
+            "data.seq_length",
+            cfg.seq_length,
+            f"none of the {len(encoded)} sampled conversations fits, not even cut after its first answer (the "
+            f"shortest such cut is {need} tokens)",
+            f"set data.seq_length to at least {need}, or use shorter conversations",
+        )
+    return None
 
 
 def render_problem(cfg, where: str, exc: TemplateError) -> Problem:

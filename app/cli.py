@@ -33,6 +33,19 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     _add_verbose(p)
 
 
+def _add_accept_changed(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--accept-changed",
+        dest="accepted",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="FIELD",
+        help="continue the experiment's checkpoints although FIELD, which they depend on, changed since it started "
+        "(the refusal lists them; logged and recorded); without it such a redeploy exits 2",
+    )
+
+
 def _add_verbose(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-v",
@@ -40,6 +53,19 @@ def _add_verbose(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show every log line (libraries' info messages, Ray's internal ones); default: the quiet view",
     )
+
+
+def _add_validate(sub) -> None:
+    p = sub.add_parser(
+        "validate",
+        help="check a config; print it resolved and the final DeepSpeed config",
+        description="Check a training config and print the resolved config and the DeepSpeed "
+        "config JSON. Exit 0 when valid, 2 with one line per problem otherwise.",
+    )
+    _add_config_args(p)
+    _add_accept_changed(p)
+    p.add_argument("--online", action="store_true", help="allow downloading the model config to check it")
+    p.add_argument("--ds-config-only", action="store_true", help="print only the DeepSpeed config JSON")
 
 
 def _add_prepare(sub) -> None:
@@ -61,16 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser(
-        "validate",
-        help="check a config; print it resolved and the final DeepSpeed config",
-        description="Check a training config and print the resolved config and the DeepSpeed "
-        "config JSON. Exit 0 when valid, 2 with one line per problem otherwise.",
-    )
-    _add_config_args(p)
-    p.add_argument("--online", action="store_true", help="allow downloading the model config to check it")
-    p.add_argument("--ds-config-only", action="store_true", help="print only the DeepSpeed config JSON")
-
+    _add_validate(sub)
     _add_prepare(sub)
 
     p = sub.add_parser(
@@ -80,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint. Validates first and writes nothing when the config is invalid.",
     )
     _add_config_args(p)
+    _add_accept_changed(p)
     p.add_argument(
         "--re-export",
         action="store_true",
@@ -196,7 +214,7 @@ def _absolute(cfg: config_mod.TrainingConfig) -> config_mod.TrainingConfig:
 def cmd_validate(args) -> int:
     from app import driver, preflight
 
-    cfg, ds, note = driver.prepare(_load(args), offline=not args.online)
+    cfg, ds, note = driver.prepare(_load(args), offline=not args.online, accepted=tuple(args.accepted))
     if note:
         print(f"note: {note}", file=sys.stderr)
     for problem in preflight.resource_problems(cfg):  # validate may check a config meant for a cluster
@@ -225,7 +243,7 @@ def cmd_prepare(args) -> int:
 def cmd_train(args) -> int:
     from app import driver
 
-    cfg, ds, note = driver.prepare(_load(args), offline=False, with_ray=True)
+    cfg, ds, note = driver.prepare(_load(args), offline=False, with_ray=True, accepted=tuple(args.accepted))
     if note:
         raise ConfigError(
             [
@@ -244,7 +262,7 @@ def cmd_train(args) -> int:
         finished = driver.finished_checkpoint(cfg)
         if finished:
             return finish_again(cfg, *finished, re_export=args.re_export)
-        result = driver.run(cfg, ds)
+        result = driver.run(cfg, ds, tuple(args.accepted))
     except LeaseHeld as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_LEASE_HELD

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from app import data, data_files, ds_config, logs, preemption, preflight
+from app import chat, contract, data, data_files, ds_config, logs, preemption, preflight
 from app.config import SOURCE_KEYS, ConfigError, DataConfig, Problem, TrainingConfig
 from app.lease import Lease
 from app.model import (
@@ -125,6 +125,29 @@ def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Pro
     return mc, check_seq_length(cfg.data.seq_length, mc), None
 
 
+def attention_problems(cfg: TrainingConfig) -> list[Problem]:
+    """transformers' flash_attention_2 needs GPUs and the flash-attn package, which the image does not ship (the
+    app's own attention, the default `sdpa`, runs FlashAttention through PyTorch): refused here, on the workers'
+    side of the config (scaling.use_gpu) and with the packages of this image, not after the cluster is up."""
+    import importlib.util
+
+    if cfg.model.attn_implementation != "flash_attention_2":
+        return []
+    if not cfg.scaling.use_gpu:
+        reason, fix = "needs GPU workers, and scaling.use_gpu is false", "use sdpa (the default) on CPU workers"
+    elif importlib.util.find_spec("flash_attn") is None:
+        reason = (
+            "needs the flash-attn package, which this image (the workers' too) does not have; it depends on the "
+            "workers' hardware and image"
+        )
+        fix = (
+            "use sdpa (the default: FlashAttention through PyTorch, packed documents kept apart), or install flash-attn"
+        )
+    else:
+        return []
+    return [Problem("model.attn_implementation", "flash_attention_2", reason, fix)]
+
+
 def compile_problems(cfg: TrainingConfig) -> list[Problem]:
     """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks-history.md;
     DeepCompile too): refuse it here rather than after the cluster and the model are up. FP8 compiles its
@@ -199,7 +222,7 @@ def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
 
 
 def prepare(
-    cfg: TrainingConfig, offline: bool = True, with_ray: bool = False
+    cfg: TrainingConfig, offline: bool = True, with_ray: bool = False, accepted: tuple[str, ...] = ()
 ) -> tuple[TrainingConfig, dict[str, Any], str | None]:
     """The config this run uses (the resume plan applied first: a changed number of workers may change gradient
     accumulation), its DeepSpeed config and a note; raises ConfigError with every problem found. `with_ray`
@@ -211,7 +234,7 @@ def prepare(
     if plan.note:
         log.warning(plan.note)
     meanwhile = (lambda: _start_ray_unless_finished(cfg)) if with_ray else None
-    ds, note = check(cfg, offline, list(plan.problems), meanwhile=meanwhile)
+    ds, note = check(cfg, offline, list(plan.problems) + contract.plan(cfg, accepted), meanwhile=meanwhile)
     return cfg, ds, note
 
 
@@ -236,7 +259,7 @@ def check(
     if meanwhile is not None:  # `finetune train`: a local cluster starts here unless RAY_ADDRESS names one
         problems += preflight.resource_problems(cfg)
     mc, model_problems, note = read_model_config(cfg, offline)
-    problems += model_problems + compile_problems(cfg)
+    problems += model_problems + compile_problems(cfg) + attention_problems(cfg)
     if mc is not None:
         problems += packed_documents_problems(cfg.data, mc)
     if not problems and cfg.model.fp8 and mc is not None:
@@ -262,7 +285,7 @@ def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Proble
     problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
     for n, (source, _) in enumerate(cfg.data.sources()):
         try:
-            found = data.check_source(source, cfg.model)
+            found = [p for p in [chat.template_name_problem(source)] if p] or data.check_source(source, cfg.model)
         except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
             found = [
                 Problem("data.dataset", source.dataset, f"cannot be listed ({exc})", "point it at your data files")
@@ -308,7 +331,7 @@ def compile_cache_env(storage_path: str) -> dict[str, str]:
     return {"TRITON_CACHE_DIR": str(root / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
 
 
-def run(cfg: TrainingConfig, ds: dict[str, Any]):
+def run(cfg: TrainingConfig, ds: dict[str, Any], accepted: tuple[str, ...] = ()):
     """Run (or resume) the experiment under its lease; returns Ray's Result."""
     # Nothing is written to the experiment folder before this run holds its lease.
     with Lease(cfg.experiment_dir, cfg.experiment.lease_timeout_s).acquire(
@@ -320,6 +343,7 @@ def run(cfg: TrainingConfig, ds: dict[str, Any]):
             log.warning(f"WARNING: {warning}")
         preemption.clear(cfg.experiment_dir)  # a notice left by the run before is not for this one
         record_ds_config(cfg, ds)
+        contract.record(cfg, accepted)  # what its checkpoints depend on, for the next deploy's comparison
         return _fit(cfg, ds, lease.token)
 
 
@@ -433,7 +457,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
         return trainer.fit()
     except Exception as exc:
         placement = preflight.placement_failure(exc, cfg)
-        failed = worker_error(exc, s.max_failures) or controller_error(exc, s.max_failures)
+        failed = worker_error(exc, s.max_failures, cfg) or controller_error(exc, s.max_failures, cfg)
         error = WorkerProblem(placement) if placement else failed
         if error is None:
             raise
@@ -465,7 +489,7 @@ class WorkerProblem(RuntimeError):
     unchanged would fail the same way."""
 
 
-def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | None:
+def worker_error(exc: BaseException, max_failures: int = 0, cfg: TrainingConfig | None = None) -> RuntimeError | None:
     """Ray's error for failed workers (its message starts with "Training failed due to worker errors") as the
     failing rank's own exception in one line, which the CLI shows first (Ray logs every worker's traceback above
     it); None when no worker failed."""
@@ -476,19 +500,21 @@ def worker_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | No
     if not causes:
         return None
     rank, cause = causes[0]
-    advice = failure_fix(cause, max_failures)
+    advice = failure_fix(cause, max_failures, cfg)
     line = f"{_one_line(cause)} [rank {rank}]" + (f". {advice}" if advice else "")
     return (WorkerProblem if isinstance(cause, Problem) else RuntimeError)(line)
 
 
-def controller_error(exc: BaseException, max_failures: int = 0) -> RuntimeError | None:
+def controller_error(
+    exc: BaseException, max_failures: int = 0, cfg: TrainingConfig | None = None
+) -> RuntimeError | None:
     """Ray Train's ControllerError (the controller failed, e.g. Ray's memory monitor killed the workers it was
     starting), whose own message is a bare "Training failed due to controller error:" line, as its cause in one
     line with the fix; None for other errors."""
     cause = getattr(exc, "controller_failure", None)
     if not isinstance(cause, BaseException):
         return None
-    advice = failure_fix(cause, max_failures)
+    advice = failure_fix(cause, max_failures, cfg)
     return RuntimeError(f"Ray Train's controller failed: {_one_line(cause)}" + (f". {advice}" if advice else ""))
 
 
@@ -496,7 +522,7 @@ def _lost_peer(text: str) -> bool:
     return "Connection closed" in text or "Connection reset by peer" in text
 
 
-def failure_fix(cause: BaseException, max_failures: int) -> str | None:
+def failure_fix(cause: BaseException, max_failures: int, cfg: TrainingConfig | None = None) -> str | None:
     """What to change after the failures a run meets most (memory, a dead worker, a collective that timed out),
     so that nobody has to read Ray's or torch's traceback to learn it; None for the others."""
     import ray.exceptions
@@ -509,11 +535,7 @@ def failure_fix(cause: BaseException, max_failures: int) -> str | None:
             "train.micro_batch_size or data.seq_length"
         )
     if "outofmemory" in name.lower() or "out of memory" in text:
-        return (
-            "Fix: out of memory; lower train.micro_batch_size (raise train.gradient_accumulation_steps to keep the "
-            "batch), set model.gradient_checkpointing=true, or offload: "
-            "deepspeed.zero_optimization.offload_optimizer={device: cpu}"
-        )
+        return "Fix: out of memory; " + ", or ".join(memory_levers(cfg))
     if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)) or name.startswith(
         "WorkerHealthCheck"
     ):
@@ -528,6 +550,26 @@ def failure_fix(cause: BaseException, max_failures: int) -> str | None:
             "several nodes check the network between them (NCCL_SOCKET_IFNAME), then deploy again"
         )
     return None
+
+
+def memory_levers(cfg: TrainingConfig | None) -> list[str]:
+    """What a run that ran out of GPU memory can still change, in the order to try, leaving out what its config
+    already has: a smaller micro-batch, activation checkpointing, shorter sequences, then offload."""
+    t = cfg.train if cfg else None
+    levers = []
+    if t is None or t.micro_batch_size > 1:
+        levers.append(
+            "lower train.micro_batch_size"
+            + (f" (now {t.micro_batch_size})" if t else "")
+            + " and raise train.gradient_accumulation_steps to keep the batch"
+        )
+    if cfg is None or not cfg.model.gradient_checkpointing:
+        levers.append("set model.gradient_checkpointing=true")
+    if cfg is not None and cfg.data.seq_length > 1024:
+        levers.append(f"lower data.seq_length (now {cfg.data.seq_length})")
+    if cfg is None or not cfg.deepspeed.optimizer_offloaded:
+        levers.append("offload: deepspeed.zero_optimization.offload_optimizer={device: cpu}")
+    return levers or ["use GPUs with more memory, or more of them (scaling.num_workers)"]
 
 
 def _root_cause(failure: BaseException) -> BaseException:

@@ -31,6 +31,7 @@ class NonFiniteGuard:
         self.before_raise = before_raise  # e.g. let a save of the last healthy step being written complete
         self.streak = 0
         self.first_bad: int | None = None
+        self.judged, self.finite = 0, 0  # steps of this attempt judged, and those with a finite loss
         self.pending: tuple[int, torch.Tensor] | None = None  # (step, its flags), not yet read on the host
 
     @property
@@ -62,6 +63,7 @@ class NonFiniteGuard:
             return
         (step, flags), self.pending = self.pending, None
         loss_bad, grad_bad = (bool(v) for v in flags.tolist())
+        self.judged, self.finite = self.judged + 1, self.finite + (not loss_bad)
         if not (loss_bad or grad_bad):
             self.streak, self.first_bad = 0, None
             return
@@ -81,6 +83,18 @@ class NonFiniteGuard:
             f"{self.first_bad} is the last good one; fix the cause and deploy again to resume from it "
             "(train.nonfinite_steps_limit sets how many such steps are tolerated)"
         )
+
+    def finish(self) -> bool:
+        """At the run's end: `healthy`, and a run none of whose steps had a finite loss (fewer than
+        train.nonfinite_steps_limit steps, every one non-finite: a template that marks no target, say) raises
+        rather than end as a success."""
+        healthy = self.healthy
+        if self.judged and not self.finite:
+            raise NonFiniteError(
+                f"none of the {self.judged} steps of this run had a finite loss: nothing was learned; likely cause: "
+                f"{self._cause(True, False)}"
+            )
+        return healthy
 
     def _cause(self, loss_bad: bool, grad_bad: bool) -> str:
         if self.precision == "fp16":

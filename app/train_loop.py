@@ -112,7 +112,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         if preempted or policy.stop(step):
             break  # the last step, train.stop_after_steps (a drill's preemption) or a preemption: no further epoch
 
-    healthy = guard.healthy  # every rank reads the last step's flags (it may raise, on all ranks alike)
+    healthy = guard.finish()  # every rank reads the last step's flags (it may raise, on all ranks alike)
     checkpoints.drain()  # a save still in flight (its step's successors were not healthy) completes
     finished = step >= policy.total_steps
     if finished and batches.eval_set is not None and not evaluator.due(step):

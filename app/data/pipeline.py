@@ -279,6 +279,15 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
             f"split {d.split} has no row with text",
             "point data.dataset at data with text",
         )
+    if train["blocks"] and not train["targets"]:
+        raise Problem(
+            "data.chat_template",
+            d.chat_template,
+            f"no token of split {d.split} is a target: the template marks no assistant turn as the answer "
+            "(every loss would be 0/0)",
+            "use a template that renders the assistant turns (a shipped name, or {% generation %} blocks), or set "
+            "data.train_on_prompt=true",
+        )
     if train["blocks"] == 0:
         raise Problem(
             "data.seq_length",
