@@ -193,6 +193,21 @@ def _preemption() -> dict[str, Any]:
     )
 
 
+def _prepare() -> dict[str, Any]:
+    """`prepare`: `finetune prepare` as a RayJob of its own, with one CPU worker group (no gpus key: no GPU)."""
+    return _obj(
+        {
+            "enabled": BOOL,
+            "worker": _obj(
+                _pod_group({"replicas": _int(0)}),
+                "The CPU worker group of the prepare job's RayCluster (group name cpu).",
+            ),
+        },
+        "true: the release runs `finetune prepare` as the RayJob <experiment>-prepare (a head and a CPU worker "
+        "group, no GPU) instead of training.",
+    )
+
+
 def kubernetes_properties() -> dict[str, Any]:
     """The chart's values besides `training`: what only Kubernetes knows."""
     return {
@@ -245,6 +260,7 @@ def kubernetes_properties() -> dict[str, Any]:
         **SECURITY,
         "progressReporting": _obj({"enabled": BOOL, "rbac": _obj({"create": BOOL})}),
         "preemption": _preemption(),
+        "prepare": _prepare(),
     }
 
 

@@ -167,6 +167,9 @@ def test_lint_render_validate(values, tmp_path):
 
 
 def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> None:
+    if values["prepare"]["enabled"]:
+        check_prepare_contracts(objects, values)
+        return
     job = one(objects, "RayJob")
     name = job["metadata"]["name"]
     files = config_files(objects)
@@ -252,6 +255,103 @@ def check_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> No
     # Ray token auth is configured for the cluster; KubeRay hands the token to the submitter.
     assert spec["authOptions"]["mode"] == values["auth"]["mode"]
     assert set(files) == {"training.yaml"}, "the app resolves the DeepSpeed config, not the chart"
+
+
+def check_prepare_contracts(objects: list[dict[str, Any]], values: dict[str, Any]) -> None:
+    """prepare.enabled: the release's one RayJob is `finetune prepare` of the training config, named
+    <experiment>-prepare, on its own cluster of the head and one CPU group; no GPU is asked for anywhere; the same
+    ConfigMap and claim, at the same paths, as the training job; nothing of training's (no RBAC, no token, no
+    preStop hook, no persistent RayCluster)."""
+    exp = one(objects, "ConfigMap")["metadata"]["name"]
+    job = one(objects, "RayJob")
+    spec = job["spec"]
+    assert job["metadata"]["name"] == f"{exp}-prepare"
+    assert job["metadata"]["labels"]["app.kubernetes.io/component"] == "prepare"
+    assert spec["entrypoint"].startswith("finetune prepare /etc/finetune/training.yaml --set scaling.num_workers=")
+    assert spec["entrypoint"].endswith(f" --set experiment.name={exp}")
+    assert spec["shutdownAfterJobFinishes"] is True and "clusterSelector" not in spec
+    assert not by_kind(objects, "RayCluster") and not {"Role", "RoleBinding", "ServiceAccount"} & {
+        o["kind"] for o in objects
+    }
+    assert "gpu" not in json.dumps(spec).replace("num-gpus", ""), "the prepare job asks for no GPU"
+    cluster = spec["rayClusterSpec"]
+    assert "enableInTreeAutoscaling" not in cluster
+    groups = cluster["workerGroupSpecs"]
+    prep = values["prepare"]["worker"]
+    assert [(g["groupName"], g["replicas"], g["rayStartParams"]["num-gpus"]) for g in groups] == [
+        ("cpu", prep["replicas"], "0")
+    ]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    claim = values["storage"]["existingClaim"] or exp
+    mount = values["storage"]["mountPath"]
+    training = yaml.safe_load(config_files(objects)["training.yaml"])
+    assert training["experiment"]["storage_path"] == mount
+    for role, tpl in pod_templates(objects).items():
+        assert tpl["spec"]["automountServiceAccountToken"] is False and "serviceAccountName" not in tpl["spec"], role
+        if role == "submitter":
+            continue
+        c = container(tpl)
+        assert "lifecycle" not in c and "FINETUNE_RAYJOB_NAME" not in env_of(c), role
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in tpl["spec"]["volumes"]}
+        assert volumes[mounts[mount]]["persistentVolumeClaim"]["claimName"] == claim, role
+        assert volumes[mounts["/etc/finetune"]]["configMap"]["name"] == exp, role
+    for o in objects:
+        assert o["metadata"]["labels"]["ray-finetune/experiment"] == exp
+
+
+PREPARE = REPO / "examples" / "values-prepare.yaml"
+CPU = REPO / "examples" / "values-cpu.yaml"
+
+
+@pytest.mark.parametrize(
+    "values", [[PREPARE], [CPU, PREPARE], [REPO / "examples" / "values-llama8b.yaml", PREPARE]], ids=str
+)
+def test_prepare_job_renders_without_gpus_and_on_the_training_volume(values, tmp_path):
+    """examples/values-prepare.yaml over a training values file: the prepare RayJob validates against the KubeRay
+    CRDs (and its pod templates against Kubernetes'), asks for no GPU, and reads the ConfigMap and writes the claim
+    the training release of the same values would: the same training.yaml, byte for byte, and the same worker
+    count on its entrypoint."""
+    out = helm("lint", "--strict", str(CHART), *[a for v in values for a in ("-f", str(v))], check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    objects = render(values)
+    validate_all(objects, tmp_path)
+    merged = merge(VALUES, *[yaml.safe_load(v.read_text()) for v in values])
+    check_prepare_contracts(objects, merged)
+    training = render(values[:-1])
+    assert config_files(objects) == config_files(training)
+    train_args = one(training, "RayJob")["spec"]["entrypoint"].split()[2:]
+    assert one(objects, "RayJob")["spec"]["entrypoint"].split()[2:] == train_args
+
+
+def test_prepare_is_off_by_default_and_leaves_the_training_job_alone():
+    """prepare.* changes nothing of the training release (k8s/ stays the default render: tests/test_manifests.py),
+    not even the values checksum that guards upgrades."""
+    default = render()
+    assert [o["metadata"]["name"] for o in by_kind(default, "RayJob")] == ["gpt2-agnews"]
+    resized = render(sets=["prepare.worker.replicas=7", "prepare.worker.shmSize=1Gi"])
+    assert resized == default
+
+
+def test_prepare_job_with_persistent_and_autoscaling_values_still_has_its_own_cpu_cluster():
+    objects = render(
+        [REPO / "examples" / "values-persistent.yaml", PREPARE],
+        sets=["autoscaling.enabled=true", "workers.gpu.maxReplicas=4"],
+    )
+    check_prepare_contracts(objects, merge(VALUES, {"prepare": {"enabled": True}}))
+    assert one(objects, "RayJob")["spec"]["backoffLimit"] == 0  # rayJob.* still applies
+
+
+def test_notes_of_a_prepare_release_say_how_to_follow_it_and_train_on_it():
+    out = helm("install", "data1", str(CHART), "--dry-run=client", "-f", str(PREPARE)).stdout
+    notes = out.split("NOTES:", 1)[1]
+    for text in (
+        "RayJob default/data1-prepare",
+        "logs -f job/data1-prepare",
+        "/mnt/cluster_storage/prepared/<key>/",
+        "--set storage.create=false --set storage.existingClaim=data1",
+    ):
+        assert text in notes, text
 
 
 def test_training_yaml_keeps_floats_floats():
@@ -500,6 +600,19 @@ BAD_VALUES = {
     ),
     "tag-with-colon": ({"head": {"image": {"tag": "0.1:x"}}}, 'head.image.tag: "0.1:x" is not a valid image tag'),
     "short-digest": ({"image": {"digest": "sha256:abc"}}, "/image/digest"),
+    "prepare-gpus": ({"prepare": {"enabled": True, "worker": {"gpus": 1}}}, "'gpus' not allowed"),
+    "prepare-gpu-resource": (
+        {"prepare": {"enabled": True, "worker": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}},
+        "prepare.worker.resources.limits.nvidia.com/gpu: the prepare job prepares the data on CPUs",
+    ),
+    "prepare-name-too-long": (
+        {"prepare": {"enabled": True}, "training": {"experiment": {"name": "x" * 40}}},
+        "names the prepare job's RayJob",
+    ),
+    "prepare-literal-secret": (
+        {"prepare": {"enabled": True, "worker": {"env": [{"name": "HF_TOKEN", "value": "hf_x"}]}}},
+        "prepare.worker.env[0]: HF_TOKEN has a literal value",
+    ),
 }
 
 
@@ -617,7 +730,8 @@ def test_app_resolves_what_the_chart_renders(tmp_path):
         config = tmp_path / f"{case}.yaml"
         config.write_text(config_files(objects)["training.yaml"])
         entry = one(objects, "RayJob")["spec"]["entrypoint"].split()
-        assert entry[:3] == ["finetune", "train", "/etc/finetune/training.yaml"]
+        # values-prepare.yaml: `finetune prepare` of the same config runs the same checks first.
+        assert entry[:3] == ["finetune", "prepare" if "prepare" in case else "train", "/etc/finetune/training.yaml"]
         argv = ["validate", str(config), *entry[3:], "--set", f"experiment.storage_path={tmp_path}", "--ds-config-only"]
         cases.append((case, argv + on_the_volume(objects, tmp_path)))
     script = (

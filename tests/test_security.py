@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from fake_k8s import ApiError, FakeKube
-from k8s_support import CHART, EXAMPLE_VALUES, cluster_spec, container, helm, one, pod_templates, render
+from k8s_support import CHART, EXAMPLE_VALUES, REPO, cluster_spec, container, helm, one, pod_templates, render
 from test_ops import NS, rayjob
 
 from app.progress import ProgressPublisher
@@ -41,9 +41,17 @@ def allowed(rules: list[dict], verb: str, group: str, resource: str, name: str |
     return False
 
 
+def prepares(objects: list[dict[str, Any]]) -> bool:
+    """A prepare release (prepare.enabled, examples/values-prepare.yaml): its RayJob runs `finetune prepare`."""
+    return one(objects, "RayJob")["metadata"]["labels"]["app.kubernetes.io/component"] == "prepare"
+
+
 @pytest.mark.parametrize("values", VALUE_SETS)
 def test_role_is_get_and_patch_of_the_own_rayjob_only(values):
     objects = render(values)
+    if prepares(objects):  # nothing on its pods calls the API: no account, no Role, no token
+        assert not {"ServiceAccount", "Role", "RoleBinding"} & {o["kind"] for o in objects}
+        return
     name = one(objects, "RayJob")["metadata"]["name"]
     role = one(objects, "Role")
     assert role["rules"] == [
@@ -88,6 +96,10 @@ def test_tokens_are_mounted_only_where_used(values):
     """Workers run Ray Train's rank 0 (the progress writer) and the head the driver (the lease check): they mount
     the token; the submitter never calls the API."""
     objects = render(values)
+    if prepares(objects):
+        for role, tpl in pod_templates(objects).items():
+            assert tpl["spec"]["automountServiceAccountToken"] is False and "serviceAccountName" not in tpl["spec"]
+        return
     sa = one(objects, "ServiceAccount")
     assert sa["automountServiceAccountToken"] is False
     for role, tpl in pod_templates(objects).items():
@@ -329,6 +341,7 @@ RESTRICTED_CASES = {
         ],
         [],
     ),
+    "prepare-cpu": ([REPO / "examples" / "values-cpu.yaml", REPO / "examples" / "values-prepare.yaml"], [], []),
     "cpu-training-extra-group": (
         [],
         ["training.scaling.use_gpu=false", "workers.gpu.gpus=0"],

@@ -16,10 +16,11 @@ Every object is named after the experiment: one name is the identity of a run, o
 {{/*
 What a deployed RayJob was made from: the chart version and every value. KubeRay does not apply changes to a
 RayJob that has started (and owns parts of its spec, so a changed server-side apply conflicts); validate.yaml
-compares this with the live RayJob's to refuse such an upgrade with the fix instead.
+compares this with the live RayJob's to refuse such an upgrade with the fix instead. The prepare group is left out:
+it changes no training RayJob (and a prepare release renders no training RayJob).
 */}}
 {{- define "ray-finetune.valuesChecksum" -}}
-{{- printf "%s %s" .Chart.Version (toJson .Values) | sha256sum | trunc 16 -}}
+{{- printf "%s %s" .Chart.Version (toJson (omit .Values "prepare")) | sha256sum | trunc 16 -}}
 {{- end }}
 
 {{- define "ray-finetune.selectorLabels" -}}
@@ -217,9 +218,21 @@ account and its Role.
 {{- end -}}
 {{- end }}
 
-{{/* The RayJob entrypoint: the mounted config, plus what the deployment decides (scale and identity). */}}
+{{/*
+The RayJob entrypoint: the mounted config, plus what the deployment decides (scale and identity). With
+prepare.enabled: `finetune prepare` of the same config with the same arguments (the training groups' worker count,
+so the config passes the same checks as the training job that will use the data).
+*/}}
 {{- define "ray-finetune.entrypoint" -}}
-finetune train {{ include "ray-finetune.configDir" . }}/training.yaml --set scaling.num_workers={{ include "ray-finetune.numWorkers" . }} --set experiment.name={{ include "ray-finetune.experiment" . }}
+{{ ternary "finetune prepare" "finetune train" (.Values.prepare.enabled | default false) }} {{ include "ray-finetune.configDir" . }}/training.yaml --set scaling.num_workers={{ include "ray-finetune.numWorkers" . }} --set experiment.name={{ include "ray-finetune.experiment" . }}
+{{- end }}
+
+{{/*
+The RayJob's name: the experiment's, or with prepare.enabled <experiment>-prepare (validate.yaml keeps it within
+KubeRay's 47 characters).
+*/}}
+{{- define "ray-finetune.jobName" -}}
+{{- include "ray-finetune.experiment" . }}{{ if .Values.prepare.enabled }}-prepare{{ end -}}
 {{- end }}
 
 {{/*
