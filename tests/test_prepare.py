@@ -265,7 +265,12 @@ def test_a_mixture_trains_and_names_a_bad_source_by_its_index(tiny_model, tmp_pa
             {"dataset": str(CHAT), "format": "chat", "chat_template": "zephyr", "weight": 1},
         ]
     )
-    args = tiny_overrides(tmp_path, "mix", tiny_model, **{"data.datasets": sources, "train.max_steps_per_epoch": 3})
+    args = tiny_overrides(
+        tmp_path,
+        "mix",
+        tiny_model,
+        **{"data.datasets": sources, "data.seq_length": 128, "train.max_steps_per_epoch": 3},
+    )
     done = run_cli("train", *args)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]

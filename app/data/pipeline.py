@@ -170,7 +170,8 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
 
     started = time.time()
     tokenizer = load_tokenizer(cfg.model)
-    sources = [read_source(d, weight, cfg.train.seed) for d, weight in cfg.data.sources()]
+    named = bool(cfg.data.datasets)  # a mixture's log lines say which source they are about
+    sources = [read_source(d, weight, cfg.train.seed, named) for d, weight in cfg.data.sources()]
     mix(sources, cfg.train.seed)
     tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -222,14 +223,16 @@ def locator(d: DataConfig, split: str | None = None):
     return functools.partial(row_location, d.dataset, split or d.split, config=d.config_name)
 
 
-def read_source(d: DataConfig, weight: float, seed: int) -> Source:
+def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) -> Source:
     """A source's rows as `datasets` reads them, its format, and its eval rows (data.eval_split, or
     data.eval_fraction of its split, picked by the seed)."""
     raw = load_split(d, d.split)
     evalset = load_split(d, d.eval_split) if d.eval_split else None
     fmt = chat.resolve_format(d.format, raw.column_names, d.text_field)
     log.info(
-        f"data format of {d.dataset}: {fmt}" + (" (data.format auto, from the columns)" if d.format == "auto" else "")
+        f"data format: {fmt}"
+        + (" (data.format auto, from the columns)" if d.format == "auto" else "")
+        + (f" for {d.dataset}" if named else "")
     )
     if fmt == "text" and d.text_field not in raw.column_names:
         raise Problem(
