@@ -80,10 +80,12 @@ def losses(run_dir: Path) -> dict[int, float]:
 LONGEST_FIRST = (
     "test_reliability.py",
     "test_train.py",
+    "test_prepare.py",
     "test_first_run.py",
     "test_lora.py",
     "test_tracking.py",
     "test_run_failures.py",
+    "test_contract.py",
 )
 
 
