@@ -60,6 +60,18 @@ class Node:
         self.log.close()
 
 
+def start_head(stack: ExitStack, port: int, cpus: int, temp: Path, tmp_path: Path, env: dict) -> Node:
+    """The head node (KubeRay's head pod), stopped and its temp folder removed when `stack` closes."""
+    head = Node(
+        ["--head", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false", f"--temp-dir={temp}"],
+        tmp_path / "head.log",
+        env,
+    )
+    stack.callback(shutil.rmtree, temp, ignore_errors=True)
+    stack.callback(head.stop)
+    return head
+
+
 def wait_for_cpus(address: str, cpus: int, env: dict, nodes: list[Node]) -> None:
     deadline = time.time() + 180
     probe = (
@@ -91,13 +103,7 @@ def test_two_nodes_checkpoint_then_resume_on_one(tiny_model, tmp_path):
         "deepspeed.zero_optimization.stage": 3,
     }
     with ExitStack() as stack:
-        head = Node(
-            ["--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={temp}"],
-            tmp_path / "head.log",
-            env,
-        )
-        stack.callback(shutil.rmtree, temp, ignore_errors=True)
-        stack.callback(head.stop)
+        head = start_head(stack, port, 0, temp, tmp_path, env)
         wait_for_cpus(address, 0, env, [head])
         pods = []
         for name in ("pod-a", "pod-b"):
@@ -136,6 +142,7 @@ def test_two_nodes_checkpoint_then_resume_on_one(tiny_model, tmp_path):
         assert "done: multinode at global step 8" in log2, log2[-3000:]
 
 
+@pytest.mark.slow  # two raylets and a CLI run on a 2-core CI machine: about 100 s (`make test-all`)
 def test_preparation_runs_on_every_node_of_the_cluster(tiny_model, tmp_path):
     """`finetune prepare` against a cluster of two nodes of one CPU each (a head and a worker "pod", as KubeRay's
     CPU group would be): the data's three units are encoded by Ray Data actors on both nodes, the manifest says
@@ -154,13 +161,7 @@ def test_preparation_runs_on_every_node_of_the_cluster(tiny_model, tmp_path):
     sets = {"data.dataset": str(corpus), "data.eval_fraction": 0}
     args = ("prepare", *tiny_overrides(tmp_path / "pvc", "prep", tiny_model, **sets))
     with ExitStack() as stack:
-        head = Node(
-            ["--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp}"],
-            tmp_path / "head.log",
-            env,
-        )
-        stack.callback(shutil.rmtree, temp, ignore_errors=True)
-        stack.callback(head.stop)
+        head = start_head(stack, port, 1, temp, tmp_path, env)
         pod = Node([f"--address={address}", "--num-cpus=1"], tmp_path / "pod.log", env)
         stack.callback(pod.stop)
         wait_for_cpus(address, 2, env, [head, pod])

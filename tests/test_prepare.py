@@ -256,7 +256,7 @@ def test_a_mixture_takes_each_source_by_its_weight_with_its_own_format(tiny_mode
     assert pipeline.key_of(seeded) != pipeline.key_of(cfg)
 
 
-def test_a_mixture_trains_and_names_a_bad_source_by_its_index(tiny_model, tmp_path):
+def test_a_mixture_from_the_command_line_and_a_bad_source_named_by_its_index(tiny_model, tmp_path):
     from conftest import run_cli, tiny_overrides
 
     sources = json.dumps(
@@ -265,16 +265,14 @@ def test_a_mixture_trains_and_names_a_bad_source_by_its_index(tiny_model, tmp_pa
             {"dataset": str(CHAT), "format": "chat", "chat_template": "zephyr", "weight": 1},
         ]
     )
-    args = tiny_overrides(
-        tmp_path,
-        "mix",
-        tiny_model,
-        **{"data.datasets": sources, "data.seq_length": 128, "train.max_steps_per_epoch": 3},
-    )
-    done = run_cli("train", *args)
+    args = tiny_overrides(tmp_path, "mix", tiny_model, **{"data.datasets": sources, "data.seq_length": 128})
+    done = run_cli("prepare", *args)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
-    assert "a mixture of 2 sources" in log and "mixture: 600 of 600 rows" in log, log[-4000:]
+    assert "mixture: 600 of 600 rows" in log and "prepared: " in done.stdout, log[-4000:]
+    from app import cli
+
+    assert "data: a mixture of 2 sources: " in cli.summary(mixture(tmp_path, tiny_model), {})
     bad = json.dumps([{"dataset": str(CORPUS)}, {"dataset": str(CHAT), "split": "test"}])
     refused = run_cli("validate", *tiny_overrides(tmp_path, "mix2", tiny_model, **{"data.datasets": bad}))
     assert refused.returncode == 2 and "data.datasets[1].split" in refused.stderr, refused.stderr[-2000:]

@@ -24,6 +24,7 @@ def old_commit_present() -> bool:
     return found.returncode == 0
 
 
+@pytest.mark.slow  # a benchmark's plumbing, like tests/test_bench.py's smoke suite: `make test-all`
 @pytest.mark.skipif(not old_commit_present(), reason="needs the repository's git history (the old commit)")
 def test_quick_run_compares_both_paths_block_by_block(tmp_path):
     out = tmp_path / "results.jsonl"

@@ -498,18 +498,25 @@ def cache_key(
     return hashlib.sha256(json.dumps(fields, default=str).encode()).hexdigest()[:16]
 
 
+def format_of(cfg: DataConfig, columns: list[str]) -> str:
+    """The format data.format means for rows with these columns (app.chat.resolve_format); text rows without
+    data.text_field are refused."""
+    fmt = chat.resolve_format(cfg.format, columns, cfg.text_field)
+    if fmt == "text" and cfg.text_field not in columns:
+        raise Problem(
+            "data.text_field",
+            cfg.text_field,
+            f"no such column in {cfg.dataset}; the columns are {columns}",
+            "set data.text_field",
+        )
+    return fmt
+
+
 def tokenize(raw, tokenizer, cfg: DataConfig) -> PreparedSplit:
     """The blocks of `raw` (rows as `datasets` loaded them) in this process, as preparation makes them (app.data.encode,
     unit by unit): packed text in full seq_length blocks; padded rows with labels -100 on padding; chat and
     prompt/completion rows with labels on the assistant turns or the completion."""
-    fmt = chat.resolve_format(cfg.format, raw.column_names, cfg.text_field)
-    if fmt == "text" and cfg.text_field not in raw.column_names:
-        raise Problem(
-            "data.text_field",
-            cfg.text_field,
-            f"no such column; the columns are {raw.column_names}",
-            "set data.text_field",
-        )
+    fmt = format_of(cfg, raw.column_names)
     if fmt != "text" and chat.ROW not in raw.column_names:
         raw = raw.add_column(chat.ROW, list(range(len(raw))))
     locate = functools.partial(row_location, cfg.dataset, cfg.split, config=cfg.config_name)

@@ -26,7 +26,7 @@ from typing import Any
 
 from app import chat, faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
-from app.data import load_split, row_location
+from app.data import format_of, load_split, row_location
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
 from app.data.manifest import MANIFEST, read_manifest, summary
 from app.data.store import remove_tree, write_unit
@@ -228,19 +228,12 @@ def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) ->
     data.eval_fraction of its split, picked by the seed)."""
     raw = load_split(d, d.split)
     evalset = load_split(d, d.eval_split) if d.eval_split else None
-    fmt = chat.resolve_format(d.format, raw.column_names, d.text_field)
+    fmt = format_of(d, raw.column_names)
     log.info(
         f"data format: {fmt}"
         + (" (data.format auto, from the columns)" if d.format == "auto" else "")
         + (f" for {d.dataset}" if named else "")
     )
-    if fmt == "text" and d.text_field not in raw.column_names:
-        raise Problem(
-            "data.text_field",
-            d.text_field,
-            f"no such column in {d.dataset}; the columns are {raw.column_names}",
-            "set data.text_field",
-        )
     if fmt != "text":  # numbered before the eval split takes rows out, so that a bad row is named by its place
         raw = raw.add_column(chat.ROW, list(range(len(raw))))
         if evalset is not None:
