@@ -142,10 +142,6 @@ def open_splits(folder: Path) -> tuple[PreparedSplit, PreparedSplit | None]:
     return PreparedSplit.open(folder, "train"), evalset
 
 
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
-
-
 def remove_tree(folder: Path) -> None:
     """A temporary folder's removal that never fails the caller (what it could not remove, a later run ignores)."""
     import shutil
