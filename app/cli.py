@@ -13,10 +13,9 @@ from app import config as config_mod
 from app import data_files, logs, ops, preemption
 from app.config import ConfigError, Problem
 from app.errors import seconds
+from app.exit_codes import Exit, epilog
 from app.lease import LeaseHeld
 
-EXIT_INVALID = 2
-EXIT_LEASE_HELD = 3
 log = logging.getLogger("finetune")
 
 
@@ -60,7 +59,7 @@ def _add_validate(sub) -> None:
         "validate",
         help="check a config; print it resolved and the final DeepSpeed config",
         description="Check a training config and print the resolved config and the DeepSpeed "
-        "config JSON. Exit 0 when valid, 2 with one line per problem otherwise.",
+        f"config JSON. Exit {Exit.OK} when valid, {Exit.INVALID} with one line per problem otherwise.",
     )
     _add_config_args(p)
     _add_accept_changed(p)
@@ -84,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune",
         description="Fine-tune causal language models with Ray Train and DeepSpeed ZeRO, on CPUs or a Ray cluster.",
+        epilog=epilog(),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "preempt",
         help="ask the run of an experiment to save its current step and stop",
         description="Ask the live run of an experiment folder to finish its optimizer step in "
-        "flight, write a checkpoint and stop (exit 4), as a SIGTERM to the driver does. "
+        f"flight, write a checkpoint and stop (exit {Exit.PREEMPTED}), as a SIGTERM to the driver does. "
         "The chart runs this as the pods' preStop hook, before the kubelet's SIGTERM.",
     )
     p.add_argument("experiment_dir", help="the experiment folder, <storage>/<experiment>")
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> Exit:
     args = build_parser().parse_args(argv)
     logs.setup(getattr(args, "verbose", False))
     if args.command in ops.COMMANDS:
@@ -172,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"error: {problem}", file=sys.stderr)
-        return EXIT_INVALID
+        return Exit.INVALID
     except Problem as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return Exit.INVALID
 
 
 def _load(args) -> config_mod.TrainingConfig:
@@ -211,7 +211,7 @@ def _absolute(cfg: config_mod.TrainingConfig) -> config_mod.TrainingConfig:
     return cfg
 
 
-def cmd_validate(args) -> int:
+def cmd_validate(args) -> Exit:
     from app import driver, preflight
 
     cfg, ds, note = driver.prepare(_load(args), offline=not args.online, accepted=tuple(args.accepted))
@@ -224,10 +224,10 @@ def cmd_validate(args) -> int:
         print(config_mod.to_yaml(cfg), end="")
         print("# deepspeed config")
     print(json.dumps(ds, indent=2))
-    return 0
+    return Exit.OK
 
 
-def cmd_prepare(args) -> int:
+def cmd_prepare(args) -> Exit:
     from app import driver
     from app.data import pipeline
 
@@ -237,10 +237,10 @@ def cmd_prepare(args) -> int:
     folder, manifest = pipeline.ensure(cfg)
     print(f"prepared: {folder}")
     print(pipeline.summary(manifest))
-    return 0
+    return Exit.OK
 
 
-def cmd_train(args) -> int:
+def cmd_train(args) -> Exit:
     from app import driver
 
     cfg, ds, note = driver.prepare(_load(args), offline=False, with_ray=True, accepted=tuple(args.accepted))
@@ -265,7 +265,7 @@ def cmd_train(args) -> int:
         result = driver.run(cfg, ds, tuple(args.accepted))
     except LeaseHeld as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_LEASE_HELD
+        return Exit.LEASE_HELD
     except Problem:  # the data, found bad while it was prepared: a user error, before any training worker
         raise
     except Exception as exc:  # noqa: BLE001 - Ray already logged the workers' tracebacks
@@ -280,7 +280,7 @@ def cmd_train(args) -> int:
         print(
             f"       completed checkpoints stay in {cfg.experiment_dir}/checkpoints; {then} to resume", file=sys.stderr
         )
-        return 1
+        return Exit.FAILED
     final = cfg.experiment_dir / "final"
     if (final / "config.json").exists():
         share_like_the_rest(final)
@@ -294,7 +294,7 @@ def cmd_train(args) -> int:
             f"{(metrics.get('global_step') or 0) + 1}",
             file=sys.stderr,
         )
-        return preemption.EXIT_PREEMPTED
+        return Exit.PREEMPTED
     print(
         f"done: {cfg.experiment.name} at global step {metrics.get('global_step')}, checkpoint "
         f"{metrics.get('checkpoint')}"
@@ -305,7 +305,7 @@ def cmd_train(args) -> int:
             d = cfg.data  # chat rows, or rows rendered with data.chat_template: the sample asks a question
             chat = d.format == "chat" or (d.format == "auto" and bool(d.chat_template))
             print(f"sample: {sample_generation(final, chat=chat)}")
-    return 0
+    return Exit.OK
 
 
 def end_tracking(cfg: config_mod.TrainingConfig, status: str, error: str | None = None) -> None:
@@ -317,7 +317,7 @@ def end_tracking(cfg: config_mod.TrainingConfig, status: str, error: str | None 
     tracking.end_run(cfg.experiment_dir, cfg.tracking.mlflow.uri, status, error, exported)
 
 
-def cmd_preempt(args) -> int:
+def cmd_preempt(args) -> Exit:
     """Exit 0 in every case a preStop hook can meet (no run, a run that stops in time, or one that does not):
     it says which, and the kubelet goes on either way."""
     import socket
@@ -328,7 +328,7 @@ def cmd_preempt(args) -> int:
     holder, _ = Lease(run_dir, 1).read()
     if not holder:
         print(f"no run holds {run_dir}: nothing to preempt")
-        return 0
+        return Exit.OK
     token = holder.get("token")
     preemption.write_notice(run_dir, token, f"finetune preempt on {socket.gethostname()}")
     print(
@@ -337,7 +337,7 @@ def cmd_preempt(args) -> int:
         flush=True,
     )
     if args.wait <= 0:
-        return 0
+        return Exit.OK
     ended = preemption.wait_for_release(run_dir, token, args.wait)
     if ended == "released":
         print(f"the run stopped and released {run_dir}")
@@ -345,7 +345,7 @@ def cmd_preempt(args) -> int:
         print(f"the run holding {run_dir} {ended}: it resumes from its last complete checkpoint")
     else:
         print(f"the run still holds {run_dir} after {args.wait:.0f} s; it resumes from its last complete checkpoint")
-    return 0
+    return Exit.OK
 
 
 def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
@@ -368,7 +368,7 @@ def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     )
 
 
-def finish_again(cfg: config_mod.TrainingConfig, checkpoint: Path, state: dict, re_export: bool) -> int:
+def finish_again(cfg: config_mod.TrainingConfig, checkpoint: Path, state: dict, re_export: bool) -> Exit:
     """A finished experiment deployed again: say so and stop, exporting its last checkpoint only when final/
     is missing (and wanted) or --re-export asks for it. No cluster starts."""
     final = cfg.experiment_dir / "final"
@@ -386,7 +386,7 @@ def finish_again(cfg: config_mod.TrainingConfig, checkpoint: Path, state: dict, 
         "nothing to train: raise train.epochs (or train.max_steps) to continue it, or use a new experiment name"
         + ("" if re_export else "; --re-export writes final/ again")
     )
-    return 0
+    return Exit.OK
 
 
 def share_like_the_rest(folder: Path) -> None:
@@ -422,7 +422,7 @@ def sample_generation(folder: Path, chat: bool = False, tokens: int = 12) -> str
     return f"{SAMPLE_QUESTION!r} -> {tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()!r}"
 
 
-def cmd_export(args) -> int:
+def cmd_export(args) -> Exit:
     from app.checkpoint import export
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -433,10 +433,10 @@ def cmd_export(args) -> int:
         out = export(src, out, args.dtype, args.model)
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: cannot export {src}: {exc}", file=sys.stderr)
-        return 1
+        return Exit.FAILED
     share_like_the_rest(out)
     print(f"exported: {out}")
-    return 0
+    return Exit.OK
 
 
 def export_source(src: Path, model: str | None) -> Path:
@@ -461,7 +461,7 @@ def export_source(src: Path, model: str | None) -> Path:
     return newest
 
 
-def cmd_tiny(args) -> int:
+def cmd_tiny(args) -> Exit:
     from app.tiny import build_tiny_model, read_texts, write_corpus
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # transformers imports DeepSpeed, which warns when it finds no GPU
@@ -491,7 +491,7 @@ def cmd_tiny(args) -> int:
             "--model-dir", args.model_dir, f"cannot be written ({_reason(exc)})", "choose a folder you can write to"
         ) from None
     print(f"tiny model: {out}\ncorpus: {corpus}")
-    return 0
+    return Exit.OK
 
 
 def _reason(exc: BaseException) -> str:
@@ -509,11 +509,11 @@ def run() -> None:
     import contextlib
 
     try:
-        code = main() or 0
+        code = main()
     except BrokenPipeError:
         if not _stdout_closed():
             raise  # another pipe or socket: a real error
-        code = 1
+        code = Exit.FAILED
     if _normal_exit_needed():
         sys.exit(code)
     atexit._run_exitfuncs()

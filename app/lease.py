@@ -33,6 +33,8 @@ import time
 import uuid
 from pathlib import Path
 
+from app.exit_codes import Exit
+
 log = logging.getLogger("finetune")
 LEASE = ".lease"
 TAKEOVER = ".lease.takeover"
@@ -208,7 +210,7 @@ def _exit_lost(lease: Lease, holder: dict | None) -> None:
         f"lost the lease on {lease.path.parent} (now held by {holder}); stopping so that two runs never "
         "write the same experiment folder"
     )
-    os._exit(3)
+    os._exit(Exit.LEASE_HELD)
 
 
 # --- is the holder provably gone? ----------------------------------------------------------------------------

@@ -2,8 +2,7 @@
 
 RayJobs are found by the label ray-finetune/experiment=<experiment> that the chart puts on them.
 Credentials: the kubeconfig (KUBECONFIG or ~/.kube/config, current context), else the pod's ServiceAccount.
-Every API failure becomes one line that says what to check. Exit codes: 0 running / pending / succeeded
-(or done), 1 failed (or refused / could not finish), 2 not found or bad input, 3 the API could not be asked.
+Every API failure becomes one line that says what to check, and an exit code of `app.exit_codes`.
 """
 
 from __future__ import annotations
@@ -21,10 +20,10 @@ from typing import Any
 
 from app import experiment_folder, kube, logs
 from app.errors import seconds
+from app.exit_codes import Exit
 from app.progress import duration
 from app.progress import parse as parse_progress
 
-EXIT_OK, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_API = 0, 1, 2, 3
 COMMANDS = ("status", "logs", "resume")
 TIMEOUT = (kube.CONNECT_TIMEOUT_S, kube.READ_TIMEOUT_S)
 LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -34,7 +33,7 @@ SUBMITTER_CONTAINER = "ray-job-submitter"
 
 
 class OpsError(Exception):
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: Exit):
         super().__init__(message)
         self.code = code
 
@@ -62,9 +61,10 @@ def register(sub) -> None:
         help="show an experiment's RayJob state and live training progress",
         description="Show the experiment's RayJob(s): job and deployment status, RayCluster, retry "
         "counts, start/end, and the latest progress record the training publishes on the "
-        "RayJob (step, loss and its curve, tokens/s, ETA, the latest checkpoint). Exit 0 when running, pending "
-        "or succeeded, 1 when failed, 2 when no RayJob is found, 3 when the API cannot be asked. Given a "
-        "folder path instead, the same from a local experiment folder's files (exit 0, 2 when it is not one).",
+        "RayJob (step, loss and its curve, tokens/s, ETA, the latest checkpoint). "
+        f"Exit {Exit.OK} when running, pending or succeeded, {Exit.FAILED} when failed, {Exit.NOT_FOUND} when no "
+        f"RayJob is found, {Exit.API_UNREACHABLE} when the API cannot be asked. Given a folder path instead, the "
+        f"same from a local experiment folder's files (exit {Exit.OK}, {Exit.INVALID} when it is not one).",
         epilog=epilog,
     )
     common(p)
@@ -113,7 +113,7 @@ def register(sub) -> None:
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> Exit:
     """Run one of COMMANDS; every failure ends as one line on stderr and an exit code."""
     try:
         if args.command == "status" and experiment_folder.looks_like_a_folder(args.experiment):
@@ -125,9 +125,9 @@ def main(args: argparse.Namespace) -> int:
         return exc.code
     except kube.KubeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_API
+        return Exit.API_UNREACHABLE
     except KeyboardInterrupt:
-        return 130
+        return Exit.INTERRUPTED
 
 
 def check_name(experiment: str, namespace: str | None) -> None:
@@ -135,11 +135,11 @@ def check_name(experiment: str, namespace: str | None) -> None:
         raise OpsError(
             f"EXPERIMENT {experiment!r} is not a valid experiment name: use at most 63 letters, digits, "
             "'-', '_' or '.', starting and ending with a letter or digit",
-            EXIT_NOT_FOUND,
+            Exit.INVALID,
         )
     if namespace is not None and not DNS_LABEL.match(namespace):
         raise OpsError(
-            f"-n {namespace!r} is not a valid namespace: lowercase letters, digits and '-', at most 63", EXIT_NOT_FOUND
+            f"-n {namespace!r} is not a valid namespace: lowercase letters, digits and '-', at most 63", Exit.INVALID
         )
 
 
@@ -159,7 +159,7 @@ class Session:
         try:
             return fn(*args, _request_timeout=kwargs.pop("_request_timeout", TIMEOUT), **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line
-            raise OpsError(kube.describe(exc, action, self.namespace, self.host), EXIT_API) from None
+            raise OpsError(kube.describe(exc, action, self.namespace, self.host), Exit.API_UNREACHABLE) from None
 
     def rayjobs(self, experiment: str) -> list[dict]:
         """The experiment's RayJobs, oldest first."""
@@ -185,15 +185,19 @@ class Session:
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise OpsError(kube.describe(exc, "get rayjobs.ray.io", self.namespace, self.host), EXIT_API) from None
+            raise OpsError(
+                kube.describe(exc, "get rayjobs.ray.io", self.namespace, self.host), Exit.API_UNREACHABLE
+            ) from None
         except Exception as exc:  # noqa: BLE001
-            raise OpsError(kube.describe(exc, "get rayjobs.ray.io", self.namespace, self.host), EXIT_API) from None
+            raise OpsError(
+                kube.describe(exc, "get rayjobs.ray.io", self.namespace, self.host), Exit.API_UNREACHABLE
+            ) from None
 
     def not_found(self, experiment: str) -> OpsError:
         return OpsError(
             f"no RayJob labelled {kube.EXPERIMENT_LABEL}={experiment} in namespace {self.namespace}; check "
             f"the name and -n (kubectl get rayjobs -A -l {kube.EXPERIMENT_LABEL}={experiment})",
-            EXIT_NOT_FOUND,
+            Exit.NOT_FOUND,
         )
 
 
@@ -213,8 +217,8 @@ def state_of(job: dict) -> str:
     return "pending"  # "", New, Initializing, Waiting
 
 
-def exit_code(state: str) -> int:
-    return EXIT_FAILED if state == "failed" else EXIT_OK
+def exit_code(state: str) -> Exit:
+    return Exit.FAILED if state == "failed" else Exit.OK
 
 
 def summary(job: dict) -> dict[str, Any]:
@@ -241,7 +245,7 @@ def summary(job: dict) -> dict[str, Any]:
 
 
 # status
-def cmd_status(args) -> int:
+def cmd_status(args) -> Exit:
     s = Session(args.namespace)
     jobs = [summary(j) for j in s.rayjobs(args.experiment)]
     state = jobs[-1]["state"] if jobs else "not-found"
@@ -258,19 +262,19 @@ def cmd_status(args) -> int:
     return exit_code(state)
 
 
-def cmd_folder_status(args) -> int:
+def cmd_folder_status(args) -> Exit:
     """`finetune status PATH`: a local experiment folder, read from its files."""
     from app.data import manifest
 
     run_dir = Path(args.experiment).expanduser().absolute()
     if not run_dir.is_dir():
-        raise OpsError(f"{args.experiment}: no such experiment folder (pass <storage>/<experiment>)", EXIT_NOT_FOUND)
+        raise OpsError(f"{args.experiment}: no such experiment folder (pass <storage>/<experiment>)", Exit.INVALID)
     if (prepared := manifest.read_manifest(run_dir)) is not None:  # <storage>/prepared/<key>
         print(json.dumps(prepared, indent=2) if args.output == "json" else manifest.render(run_dir, prepared))
-        return EXIT_OK
+        return Exit.OK
     info = experiment_folder.describe(run_dir)
     print(json.dumps(info, indent=2) if args.output == "json" else experiment_folder.render(info))
-    return EXIT_OK
+    return Exit.OK
 
 
 def render_table(experiment: str, namespace: str, jobs: list[dict]) -> str:
@@ -358,7 +362,7 @@ def _ago(stamp: str | None) -> str | None:
 
 
 # logs
-def cmd_logs(args) -> int:
+def cmd_logs(args) -> Exit:
     s = Session(args.namespace)
     jobs = s.rayjobs(args.experiment)
     if not jobs:
@@ -391,16 +395,17 @@ def cmd_logs(args) -> int:
             out.write(chunk)
         out.close()
     except BrokenPipeError:
-        return EXIT_OK
+        return Exit.OK
     except KeyboardInterrupt:
-        return 130
+        return Exit.INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - the stream broke: say so in one line
         raise OpsError(
-            f"log stream of pod {pod} ended early: {kube.describe(exc, 'get pods/log', s.namespace, s.host)}", EXIT_API
+            f"log stream of pod {pod} ended early: {kube.describe(exc, 'get pods/log', s.namespace, s.host)}",
+            Exit.API_UNREACHABLE,
         ) from None
     finally:
         resp.release_conn()
-    return EXIT_OK
+    return Exit.OK
 
 
 def log_source(s: Session, job: dict, head: bool) -> tuple[str, str, str]:
@@ -424,14 +429,14 @@ def log_source(s: Session, job: dict, head: bool) -> tuple[str, str, str]:
             f"RayJob {s.namespace}/{name} has no submitter pod and no RayCluster yet (deployment status "
             f"{st.get('jobDeploymentStatus') or 'New'}); try again shortly, or check `kubectl describe rayjob "
             f"{name} -n {s.namespace}`",
-            EXIT_NOT_FOUND,
+            Exit.NOT_FOUND,
         )
     pods = _pods(s, f"ray.io/cluster={cluster},ray.io/node-type=head")
     if not pods:
         raise OpsError(
             f"no head pod of RayCluster {cluster} in namespace {s.namespace}; check `kubectl get pods -n "
             f"{s.namespace} -l ray.io/cluster={cluster}`",
-            EXIT_NOT_FOUND,
+            Exit.NOT_FOUND,
         )
     pod = pods[-1]
     containers = [c["name"] for c in pod["spec"]["containers"]]
@@ -480,7 +485,7 @@ def recreate_body(job: dict) -> dict:
     }
 
 
-def cmd_resume(args) -> int:
+def cmd_resume(args) -> Exit:
     s = Session(args.namespace)
     job = _the_one_rayjob(s, args.experiment)
     name = job["metadata"]["name"]
@@ -512,7 +517,7 @@ def cmd_resume(args) -> int:
     except OpsError as exc:
         raise OpsError(
             f"deleted {where} but could not create it again: {exc}; create it with `kubectl create -f {saved}`",
-            EXIT_FAILED,
+            Exit.FAILED,
         ) from None
     print(
         f"created {where} again (uid {created['metadata']['uid']}) with the same spec: it resumes experiment "
@@ -524,7 +529,7 @@ def cmd_resume(args) -> int:
         f"follow it: finetune status {args.experiment} -n {s.namespace}; finetune logs {args.experiment} -n "
         f"{s.namespace} -f"
     )
-    return EXIT_OK
+    return Exit.OK
 
 
 def _the_one_rayjob(s: Session, experiment: str) -> dict:
@@ -537,7 +542,7 @@ def _the_one_rayjob(s: Session, experiment: str) -> dict:
         raise OpsError(
             f"{len(jobs)} RayJobs carry {kube.EXPERIMENT_LABEL}={experiment} in namespace {s.namespace} "
             f"({names}); two runs of one experiment must not run at once: delete all but one, then resume",
-            EXIT_FAILED,
+            Exit.FAILED,
         )
     return jobs[0]
 
@@ -551,7 +556,7 @@ def _stopped_state(job: dict, where: str, force: bool) -> str:
         raise OpsError(
             f"{where} is {state} (job {info['jobStatus'] or '-'}, deployment {info['jobDeploymentStatus'] or '-'}); "
             "resuming would stop it. Wait for it to finish, or pass --force if it is stuck",
-            EXIT_FAILED,
+            Exit.FAILED,
         )
     progress = info["progress"] or {}
     checkpoint = (
@@ -599,14 +604,14 @@ def _wait_until_gone(s: Session, job: dict, where: str, wait: float, saved: Path
             raise OpsError(
                 f"{where} was created again by someone else meanwhile (uid {live['metadata']['uid']}); "
                 "nothing more to do",
-                EXIT_FAILED,
+                Exit.FAILED,
             )
         if time.monotonic() - t0 > wait:
             finalizers = ", ".join(live["metadata"].get("finalizers") or []) or "none"
             raise OpsError(
                 f"{where} is still being deleted after {wait:g}s (finalizers: {finalizers}); check that "
                 f"the KubeRay operator runs, then create it with `kubectl create -f {saved}`",
-                EXIT_FAILED,
+                Exit.FAILED,
             )
         time.sleep(0.5)
     print(f"deleted after {time.monotonic() - t0:.1f}s")

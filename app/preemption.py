@@ -1,6 +1,6 @@
 """Preemption: when a run is asked to stop (a node drain, a spot reclaim, Kueue evicting it), every rank finishes
 the optimizer step in flight, the run writes one checkpoint of that step, releases its lease and exits
-EXIT_PREEMPTED (4); the next deploy resumes at the next step with nothing redone.
+`Exit.PREEMPTED` (4); the next deploy resumes at the next step with nothing redone.
 
 How a run is asked; all three end in the same notice:
 - SIGTERM to a rank (a Ray worker process). Ray's own handler would exit the worker at once; `RankWatch` routes
@@ -29,8 +29,9 @@ import threading
 import time
 from pathlib import Path
 
+from app.exit_codes import Exit
+
 log = logging.getLogger("finetune")
-EXIT_PREEMPTED = 4
 NOTICE = ".preempt"
 GRACE_ENV = "FINETUNE_GRACE_PERIOD_S"  # the pods' terminationGracePeriodSeconds, set by the chart
 
@@ -151,7 +152,7 @@ def on_driver_sigterm(run_dir: Path, token: str) -> None:
         if callable(previous):
             previous(signum, frame)
         else:
-            raise SystemExit(128 + signum)
+            raise SystemExit(Exit.TERMINATED)  # the handler is SIGTERM's alone
 
     signal.signal(signal.SIGTERM, handler)
 

@@ -20,6 +20,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from app import cli, kube, ops
+from app.exit_codes import Exit
 
 NS = "ml"
 SERVER_FIELDS = (
@@ -234,10 +235,10 @@ def test_status_succeeded_and_newest_of_several_decides(fake, capsys):
 def test_status_missing_exits_2(fake, capsys):
     fake.add_rayjob(rayjob("other", experiment="other"), status=RUNNING)
     code, out, err = finetune(capsys, "status", "exp1")
-    assert code == 2 and out == ""
+    assert code == Exit.NOT_FOUND and out == ""
     assert f"no RayJob labelled {kube.EXPERIMENT_LABEL}=exp1 in namespace ml" in one_line(err)
     code, out, err = finetune(capsys, "status", "exp1", "-n", "elsewhere", "-o", "json")
-    assert code == 2 and json.loads(out)["rayjobs"] == [] and "namespace elsewhere" in one_line(err)
+    assert code == Exit.NOT_FOUND and json.loads(out)["rayjobs"] == [] and "namespace elsewhere" in one_line(err)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +264,7 @@ def test_status_api_errors_are_one_line(fake, capsys, monkeypatch, tmp_path, cas
         fake.write_kubeconfig(tmp_path / "kubeconfig", NS, server=f"http://127.0.0.1:{silent.getsockname()[1]}")
     code, out, err = finetune(capsys, "status", "exp1")
     line = one_line(err)
-    assert code == 3 and out == "" and expected in line, line
+    assert code == Exit.API_UNREACHABLE and out == "" and expected in line, line
     if case == "forbidden":
         assert "kubectl auth can-i list rayjobs.ray.io -n ml" in line
 
@@ -271,7 +272,7 @@ def test_status_api_errors_are_one_line(fake, capsys, monkeypatch, tmp_path, cas
 def test_bad_input_is_one_line(fake, capsys):
     for argv in (["status", "Exp 1!"], ["resume", "x" * 64], ["logs", "exp1", "-n", "Bad_NS"]):
         code, out, err = finetune(capsys, *argv)
-        assert code == 2 and "is not a valid" in one_line(err)
+        assert code == Exit.INVALID and "is not a valid" in one_line(err)
     assert fake.requests == []
 
 
@@ -279,14 +280,14 @@ def test_no_credentials_is_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     code, _, err = finetune(capsys, "status", "exp1")
-    assert code == 3 and "no Kubernetes credentials" in one_line(err)
+    assert code == Exit.API_UNREACHABLE and "no Kubernetes credentials" in one_line(err)
 
 
 def test_console_script_help_and_errors():
     r = run_cli("status", "--help")
     assert r.returncode == 0 and "Exit 0 when running" in r.stdout and "-o {table,json}" in r.stdout
     r = run_cli("resume", "exp1", env={"KUBECONFIG": "/nonexistent", "KUBERNETES_SERVICE_HOST": ""})
-    assert r.returncode == 3 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert r.returncode == Exit.API_UNREACHABLE and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
 
 
 # resume
@@ -341,7 +342,7 @@ def test_resume_refuses_running_job_without_force(fake, capsys):
 
 def test_resume_missing_and_ambiguous(fake, capsys):
     code, _, err = finetune(capsys, "resume", "exp1")
-    assert code == 2 and "no RayJob labelled" in one_line(err)
+    assert code == Exit.NOT_FOUND and "no RayJob labelled" in one_line(err)
     fake.add_rayjob(rayjob("exp1-a"), status=FAILED)
     fake.add_rayjob(rayjob("exp1-b"), status=FAILED)
     code, _, err = finetune(capsys, "resume", "exp1")
@@ -354,7 +355,7 @@ def test_resume_conflict_when_changed_meanwhile(fake, capsys):
     # The operator writes status between our list and our delete: the precondition fails with 409.
     fake.before = lambda method, path: method == "DELETE" and fake.set_status(NS, "exp1", {**FAILED, "failed": 4})
     code, _, err = finetune(capsys, "resume", "exp1")
-    assert code == 3 and "conflict (409" in one_line(err)
+    assert code == Exit.API_UNREACHABLE and "conflict (409" in one_line(err)
     assert fake.rayjob(NS, "exp1") is not None
 
 
@@ -417,13 +418,13 @@ def test_logs_sidecar_mode_and_not_ready(fake, capsys):
     assert code == 0 and out == "driver says hi\n"
     fake.add_pod(NS, "exp1-head", head, ["ray-head", "ray-job-submitter"], {}, phase="Pending")
     code, out, err = finetune(capsys, "logs", "exp1")
-    assert code == 3 and "waiting to start" in one_line(err)
+    assert code == Exit.API_UNREACHABLE and "waiting to start" in one_line(err)
 
 
 def test_logs_before_the_cluster_exists(fake, capsys):
     fake.add_rayjob(rayjob(), status={"jobDeploymentStatus": "Initializing"})
     code, _, err = finetune(capsys, "logs", "exp1")
-    assert code == 2 and "no submitter pod and no RayCluster yet" in one_line(err)
+    assert code == Exit.NOT_FOUND and "no submitter pod and no RayCluster yet" in one_line(err)
 
 
 # The fake behaves as the API server does, so the tests above mean something.

@@ -9,6 +9,7 @@ import pytest
 from conftest import run_cli
 
 from app import kube, lease
+from app.exit_codes import Exit
 from app.progress import ProgressPublisher
 from e2e import support
 from e2e.controlplane import kubeconfig
@@ -70,10 +71,10 @@ def test_the_charts_serviceaccount_may_publish_progress_and_nothing_else(cluster
     monkeypatch.setenv("FINETUNE_RAYJOB_NAME", "exp-b")
     assert lease.own_rayjob() is None  # another experiment's RayJob: forbidden, so no early takeover
 
-    # The operations commands say so, in one line naming the action, and exit 3 (the API cannot be asked).
+    # The operations commands say so, in one line naming the action, and exit 6 (the API cannot be asked).
     for cmd in (["status", "exp-a"], ["logs", "exp-a"], ["resume", "exp-a", "--force"]):
         out = run_cli(*cmd, "-n", ns, env={"KUBECONFIG": str(cfg)}, timeout=60)
-        assert out.returncode == 3, (cmd, out.returncode, out.stderr)
+        assert out.returncode == Exit.API_UNREACHABLE, (cmd, out.returncode, out.stderr)
         assert "forbidden (403" in out.stderr and "rayjobs" in out.stderr, (cmd, out.stderr)
         assert "Traceback" not in out.stderr
     assert support.get(cluster, "rayjob", ns, "exp-a"), "the forbidden resume deleted the RayJob"
