@@ -67,7 +67,7 @@ def _public_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None, dropou
     params = inspect.signature(varlen_attn).parameters
     if dropout or (window is not None and "window_size" not in params):
         raise NotImplementedError(
-            "this torch's varlen_attn takes no dropout or window; FINETUNE_VARLEN_KERNEL=aten does"
+            "this torch's varlen_attn takes no dropout or window; torch.ops.aten._flash_attention_forward does"
         )
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1 if window is None else window, 0)}
     if "enable_gqa" in params:
@@ -82,42 +82,16 @@ def _public_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None, dropou
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
 
 
-def _fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window=None, dropout=0.0):
-    """FlashAttention-4's CuTe-DSL kernels (package flash-attn-4, Hopper and Blackwell), GQA native."""
-    from flash_attn.cute.interface import flash_attn_varlen_func
-
-    if dropout:
-        raise NotImplementedError("FlashAttention-4 has no dropout; FINETUNE_VARLEN_KERNEL=aten has")
-    out = flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        softmax_scale=scale,
-        causal=True,
-        **({} if window is None else {"window_size": (window, 0)}),
-    )
-    return out[0] if isinstance(out, tuple) else out
-
-
-KERNELS = {"aten": _aten_varlen, "varlen_attn": _public_varlen, "fa4": _fa4_varlen}
+KERNELS = {"aten": _aten_varlen, "varlen_attn": _public_varlen}
 
 
 @lru_cache(maxsize=1)
 def _kernel():
     """The varlen kernel: f(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, dropout) on (tokens, heads, head
-    size) tensors, or None where this torch has none. PyTorch's FlashAttention-2 unless FINETUNE_VARLEN_KERNEL
-    names another of KERNELS: FlashAttention-4 ("fa4") is 1.55x faster per layer on an H200 but compiles its
-    kernels at the first step (8-14 s a process) and is a beta package, so it is not the default
-    (docs/benchmarks.md, "Documents kept apart: the attention kernel")."""
-    import os
-
-    name = os.environ.get("FINETUNE_VARLEN_KERNEL")
-    if name in KERNELS:
-        return KERNELS[name]
+    size) tensors, or None where this torch has none: PyTorch's FlashAttention-2, through its public wrapper where
+    the op is not there. FlashAttention-4 was 5% faster a step on the 1.1B, no faster on the 8B, compiled its
+    kernels for 8-14 s at every start and is a beta package the image does not ship: not offered
+    (docs/benchmarks.md, "Documents kept apart: the attention kernel"; benchmarks/check_varlen.py measures it)."""
     if hasattr(torch.ops.aten, "_flash_attention_forward"):
         return _aten_varlen
     try:

@@ -89,12 +89,10 @@ def liger_swiglu(mlp, x):
 def test_fused_mlps_compute_what_their_layers_compute(tmp_path, monkeypatch):
     """Each MLP of FP8 projections runs as one function (one host call, the input's cast shared): the same loss and
     gradients, to the bit, as its three FP8 layers and Liger's activation one by one (eager on the CPU)."""
-    from app.model import FUSED_MLP_ENV
-
     ids = torch.randint(1, 96, (2, 32), generator=torch.Generator().manual_seed(2))
     fused = tiny_llama(tmp_path, fp8=True)
     assert all("forward" in vars(layer.mlp) for layer in fused.model.layers)
-    monkeypatch.setenv(FUSED_MLP_ENV, "0")
+    monkeypatch.setattr("app.model.fuse_fp8_mlps", lambda model, compiled: 0)  # the projections one by one
     separate = tiny_llama(tmp_path, fp8=True)
     assert not any("forward" in vars(layer.mlp) for layer in separate.model.layers)
     for layer in separate.model.layers:

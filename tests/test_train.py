@@ -291,7 +291,7 @@ def model_with_forward_of(module: str, hidden: int, lora: bool = False):
 
 
 def test_ligers_fused_loss_gets_chunks_of_a_bounded_size_not_many_small_ones(monkeypatch):
-    from app.model import LOSS_CHUNK_ENV, loss_options
+    from app.model import loss_options
 
     liger = "liger_kernel.transformers.model.qwen2"
     liger_stand_in(monkeypatch)
@@ -300,11 +300,8 @@ def test_ligers_fused_loss_gets_chunks_of_a_bounded_size_not_many_small_ones(mon
     assert loss_options(model_with_forward_of(liger, 2048), 16384) == {"chunk_mem_const": 4}
     assert loss_options(model_with_forward_of(liger, 896, lora=True), 16384) == {"chunk_mem_const": 9}
     assert loss_options(model_with_forward_of(liger, 8192), 32768) == {"chunk_mem_const": 1}  # never below Liger's
-    # Not Liger's loss, a Liger without the bound, or the benchmarks' A/B switch: the forward gets nothing more.
+    # Not Liger's loss, or a Liger without the bound: the forward gets nothing more.
     assert loss_options(model_with_forward_of("transformers.models.qwen2.modeling_qwen2", 896), 16384) == {}
-    monkeypatch.setenv(LOSS_CHUNK_ENV, "0")
-    assert loss_options(model_with_forward_of(liger, 896), 16384) == {}
-    monkeypatch.delenv(LOSS_CHUNK_ENV)
     liger_stand_in(monkeypatch, takes_bound=False)
     assert loss_options(model_with_forward_of(liger, 896), 16384) == {}
 
