@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from app import config as config_mod
-from app import data_files, logs, ops, preemption
+from app import logs, ops, preemption
 from app.config import ConfigError, Problem
+from app.data import files as data_files
 from app.errors import seconds
 from app.exit_codes import Exit, epilog
 from app.lease import LeaseHeld

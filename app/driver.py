@@ -19,8 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from app import chat, contract, data, data_files, ds_config, logs, preemption, preflight
+from app import contract, data, ds_config, logs, preemption, preflight
 from app.config import SOURCE_KEYS, ConfigError, DataConfig, Problem, TrainingConfig
+from app.data import chat
+from app.data import files as data_files
 from app.lease import Lease
 from app.model import (
     check_seq_length,

@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app import data_files
+from app.data import files as data_files
 from app.errors import Problem
 from app.model import model_source
 
@@ -277,7 +277,7 @@ def _rows_of_expression(spec: str, sizes: dict[str, int]) -> tuple[int | None, s
 
 
 def split_sizes(cfg: TrainingConfig) -> dict[str, int] | None:
-    """{split: rows} of local data as `datasets` will load it (a folder's splits as app.data_files finds them, a file
+    """{split: rows} of local data as `datasets` will load it (a folder's splits as app.data.files finds them, a file
     or glob one split, 'train'), or None when unknown:
     a hub dataset, a saved single Dataset (loaded whole, whatever the split), or data too large to count here."""
     spec = cfg.data.dataset

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import attention, chat, checkpoint, data, faults, logs, lora, opbuild, preemption, profiling
+from app import attention, checkpoint, data, ds_config, faults, logs, lora, opbuild, preemption, profiling
 from app.config import TrainConfig, TrainingConfig
+from app.data import chat
 from app.ds_config import plain_bf16
 from app.errors import Problem
 from app.metrics import MetricsLogger, flops_per_token
@@ -367,7 +368,8 @@ class CheckpointManager:
             "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
             "precision": t.precision,
-            "zero_stage": cfg.zero_stage,  # a resume at another stage is refused (checkpoint.ResumePlan)
+            "zero_stage": cfg.zero_stage,  # a resume at another stage converts (checkpoint.ResumePlan)
+            "plain_bf16": ds_config.plain_bf16(cfg),  # the app's own AdamW: a stage change cannot convert its state
             "experiment": cfg.experiment.name,
         }
         self.saves: list[float] = []  # seconds each save of this attempt took, from its start until it was complete

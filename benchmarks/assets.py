@@ -5,7 +5,7 @@ the model's, so every whitespace-separated word of the corpus is exactly one tok
 distribution is the token-length distribution the training path sees. The vocabulary's last ids are the zephyr
 template's role markers, as a chat model's tokenizer has its template's markers (without them each marker was the
 unknown token, which is EOS and the padding token, whose embedding row a fresh model zeroes: every conversation
-then started with an all-zero hidden state, which overflowed the 1.1B model's gradients; app.chat.unknown_markers
+then started with an all-zero hidden state, which overflowed the 1.1B model's gradients; app.data.chat.unknown_markers
 now refuses such a tokenizer). The app builds the model with
 random weights from such a folder when `model.name_or_path` is `random-init:<folder>`.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 EOS = "<|endoftext|>"
-MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")  # app.chat.TEMPLATES["zephyr"]'s, one token each
+MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")  # app.data.chat.TEMPLATES["zephyr"]'s, one token each
 
 
 def words_of(vocab: int) -> int:

@@ -60,8 +60,9 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from app import attention, chat, ds_config, metrics, profiling
+    from app import attention, ds_config, metrics, profiling
     from app import config as config_mod
+    from app.data import chat
     from app.model import hidden_size, load_model_config, load_tokenizer, model_facts
     from benchmarks.hf_trainer import profiler_callback, trainer_args
 

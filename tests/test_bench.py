@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from app import chat
 from app.config import ConfigError
+from app.data import chat
 from benchmarks import assets, bench
 from benchmarks.make_weights import weights_folder
 

@@ -13,8 +13,9 @@ from conftest import REPO
 from test_packing import per_token_losses
 from transformers import AutoTokenizer
 
-from app import chat, data
+from app import data
 from app.config import DataConfig, ModelConfig
+from app.data import chat
 from app.errors import Problem
 from app.model import load_model
 

@@ -368,7 +368,7 @@ def test_a_folder_too_big_to_be_a_dataset_is_refused_without_walking_it_all(
     storage, tiny_model, tmp_path, monkeypatch, capsys
 ):
     """data.dataset=/ used to make validate walk the whole disk; the walk now stops at a bound."""
-    from app import data_files
+    from app.data import files as data_files
 
     big = tmp_path / "big"
     for i in range(12):

@@ -60,8 +60,9 @@ def test_an_accepted_change_continues_and_is_recorded(started, tiny_model):
 
 
 def test_a_template_name_the_app_does_not_ship_is_refused_with_the_names(tmp_path, tiny_model):
-    from app import chat, driver
+    from app import driver
     from app.config import DataConfig, TrainingConfig
+    from app.data import chat
 
     assert "did you mean 'zephyr'?" in str(chat.template_name_problem(DataConfig(chat_template="zephir")))
     assert chat.template_name_problem(DataConfig(chat_template="zephyr")) is None

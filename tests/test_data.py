@@ -142,11 +142,11 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_folder_splits_as_datasets_splits_it(tmp_path, layout):
-    """app.data_files' rule against datasets' own (load_dataset(folder) resolves its files this way): a folder's
+    """app.data.files' rule against datasets' own (load_dataset(folder) resolves its files this way): a folder's
     test split is never trained on as part of train."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
-    from app import data_files
+    from app.data import files as data_files
 
     for name in LAYOUTS[layout]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +185,7 @@ def test_a_downloaded_hub_folder_reads_its_cards_config_as_datasets_does(tmp_pat
     reads (gsm8k's main and socratic configs, in one folder, are never mixed)."""
     import datasets
 
-    from app import data_files
+    from app.data import files as data_files
 
     for name in [
         "main/train-00000-of-00001.jsonl",
@@ -225,7 +225,7 @@ def test_a_folder_trains_on_its_train_split_only(tmp_path):
     assert data.load_split(cfg, "test")["text"] == [f"test row {i}" for i in range(4)]
     assert len(data.load_split(cfg, "train[:50%]+test")) == 7
     assert data.row_location(str(tmp_path), "test", 2) == f"{tmp_path / 'test.jsonl'} line 3"
-    from app.data_files import folder_splits  # the run's summary line says what it reads
+    from app.data.files import folder_splits  # the run's summary line says what it reads
 
     assert folder_splits(str(tmp_path), None, "train[:50%]") == "train: 1 file; also in the folder: test"
     assert folder_splits(str(tmp_path), None, "train+test") == "train+test: 2 files"

@@ -71,7 +71,7 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from app import chat
+    from app.data import chat
 
     storage, *_ = zero3
     final = storage / "resumed" / "final"

@@ -16,7 +16,7 @@ from conftest import CORPUS
 
 from app import data
 from app.config import Problem, TrainingConfig
-from app.data import pipeline, store
+from app.data import checks, pipeline, store
 
 CHAT = CORPUS.parent / "tiny-chat.jsonl"
 
@@ -86,7 +86,6 @@ def test_the_same_key_gives_the_same_bytes_on_any_number_of_cpus(tiny_model, tmp
     from app.model import load_tokenizer
 
     cfg = make(tmp_path / "mem", tiny_model)
-    monkeypatch.setattr(data, "UNIT_ROWS", 150)
     memory = data.tokenize(data.load_split(cfg.data, "train"), load_tokenizer(cfg.model), cfg.data)
     prepared = store.PreparedSplit.open(folders[0], "train")
     assert len(prepared) == len(memory) > 10
@@ -142,7 +141,7 @@ def test_a_bad_row_beyond_the_sample_ends_preparation_with_its_file_and_line(
     tiny_model, tmp_path, monkeypatch, ray_cluster
 ):
     monkeypatch.setattr(pipeline, "UNIT_ROWS", 100)
-    monkeypatch.setattr(data, "SAMPLE_ROWS", 50)
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", 50)
     rows = CHAT.read_text().splitlines()
     rows[333] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
     bad = tmp_path / "chat.jsonl"

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from app import chat
+from app.data import chat
 
 log = logging.getLogger("finetune")
 UNIT_ROWS = 4096  # rows per unit: also the packing group (best fit decreasing runs over a unit's conversations)

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app import chat, faults
+from app import faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
-from app.data import format_of, load_split, row_location
+from app.data import chat
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
+from app.data.files import is_local, saved_dataset, split_files, split_names
 from app.data.manifest import MANIFEST, read_manifest, summary
-from app.data.store import remove_tree, write_unit
-from app.data_files import is_local, saved_dataset, split_files, split_names
+from app.data.sources import format_of, load_split, row_location
+from app.data.store import PreparedSplit, remove_tree, write_unit
 from app.errors import Problem
 
 PREPARED = "prepared"  # under experiment.storage_path, beside the experiments' folders
@@ -205,6 +206,26 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
         remove_tree(tmp)
         raise
     return read_manifest(folder) or manifest
+
+
+def tokenize(raw, tokenizer, cfg: DataConfig) -> PreparedSplit:
+    """The blocks of `raw` (rows as `datasets` loaded them) in this process, as preparation makes them (app.data.encode,
+    unit by unit): packed text in full seq_length blocks; padded rows with labels -100 on padding; chat and
+    prompt/completion rows with labels on the assistant turns or the completion."""
+    fmt = format_of(cfg, raw.column_names)
+    if fmt != "text" and chat.ROW not in raw.column_names:
+        raw = raw.add_column(chat.ROW, list(range(len(raw))))
+    locate = functools.partial(row_location, cfg.dataset, cfg.split, config=cfg.config_name)
+    if len(raw) and (problem := first_row_problem(cfg, fmt, raw[0], tokenizer, locate)):
+        raise problem
+    encoder = UnitEncoder(cfg, fmt, tokenizer, locate)
+    units = [encoder(raw[lo : lo + UNIT_ROWS]) for lo in range(0, len(raw), UNIT_ROWS)]
+    report({c: sum(u.counts.get(c, 0) for u in units) for c in units[0].counts} if units else {}, "training", cfg)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    layout = layout_of(fmt, cfg.packing)
+    return PreparedSplit.in_memory(
+        layout, cfg.seq_length, pad, [u.arrays() for u in units], [u.counts["blocks"] for u in units]
+    )
 
 
 def publish(tmp: Path, folder: Path) -> None:
