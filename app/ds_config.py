@@ -143,10 +143,8 @@ def build(
 ) -> dict[str, Any]:
     """The final DeepSpeed config: the user's block with every "auto" filled. `hidden_size`, `layer_classes`
     and `layer_params` come from the model config (`app.model.model_facts`); None when it cannot be read yet (validate
-    offline), and then the values derived from them stay "auto" until the run starts."""
-    problems = check(cfg, world_size)
-    if problems:
-        raise ConfigError(problems)
+    offline), and then the values derived from them stay "auto" until the run starts. For a config `check` passed:
+    app.preflight runs it once, before this."""
     t = cfg.train
     world = world_size or cfg.scaling.num_workers
     ds = cfg.deepspeed.to_dict()
