@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from app.ds_block import RULE, DeepSpeedConfig, tutorial_ds_config
 from app.errors import ConfigError, Problem
+from app.preference import PreferenceConfig
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_EXPERIMENT_NAME = 40  # leaves room for "-head-xxxxx"-style suffixes in a 47-char RayJob name
@@ -436,6 +437,12 @@ class TrainingConfig(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    preference: PreferenceConfig | None = Field(
+        None,
+        description="Preference tuning (DPO and its reference-free cousins) on pairs of a prompt, a chosen and a "
+        "rejected answer (data.format preference): {loss, beta, label_smoothing, reference, ...}; null: supervised "
+        "fine-tuning.",
+    )
     checkpoint: CheckpointConfig = CheckpointConfig()
     scaling: ScalingConfig = ScalingConfig()
     tracking: TrackingConfig = TrackingConfig()

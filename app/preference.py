@@ -17,12 +17,19 @@ packed into rows, told apart by `sequence_ids` (from position ids that restart a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.ds_block import rule
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: app.config imports this module for PreferenceConfig, and reading a config
+# (finetune validate, Ray Train's controller) loads no torch.
 
 IGNORE = -100
 # Tokens scored at once: a chunk of float32 logits is CHUNK_TOKENS x vocab (1024 x 152k: 0.6 GB), where the
@@ -89,8 +96,11 @@ class PreferenceConfig(BaseModel):
     def _no_ignored_setting(self) -> PreferenceConfig:
         for name, losses in APPLIES_TO.items():
             if self.loss not in losses and getattr(self, name) != type(self).model_fields[name].default:
-                raise ValueError(
-                    f"{name} has no effect with loss {self.loss} (it applies to {', '.join(sorted(losses))}): remove it"
+                raise rule(
+                    f"has no effect with loss {self.loss} (it applies to {', '.join(sorted(losses))})",
+                    f"remove it, or set preference.loss to one of {', '.join(sorted(losses))}",
+                    name,
+                    getattr(self, name),
                 )
         return self
 
@@ -102,45 +112,54 @@ class PreferenceConfig(BaseModel):
 # --- log-probabilities -----------------------------------------------------------------------------------
 
 
-class _LabelLogProb(torch.autograd.Function):
-    """log p(target) = logit[target] - logsumexp(logits) for the chosen rows of a (rows, vocab) logits matrix,
-    chunk by chunk, in float32 at least. Its own backward recomputes each chunk's softmax, so that autograd keeps
-    no float32 copy of the logits (logsumexp's would keep every chunk)."""
+@functools.cache
+def _label_log_prob():
+    """The autograd function below, defined once torch is loaded."""
+    import torch
 
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk: int):
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        out = torch.empty(rows.numel(), dtype=dtype, device=logits.device)
-        for start in range(0, rows.numel(), chunk):
-            part = logits.index_select(0, rows[start : start + chunk]).to(dtype)
-            picked = part.gather(1, targets[start : start + chunk, None]).squeeze(1)
-            out[start : start + chunk] = picked - part.logsumexp(dim=1)
-        ctx.save_for_backward(logits, rows, targets)
-        ctx.chunk = chunk
-        return out
+    class _LabelLogProb(torch.autograd.Function):
+        """log p(target) = logit[target] - logsumexp(logits) for the chosen rows of a (rows, vocab) logits matrix,
+        chunk by chunk, in float32 at least. Its own backward recomputes each chunk's softmax, so that autograd keeps
+        no float32 copy of the logits (logsumexp's would keep every chunk)."""
 
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):
-        logits, rows, targets = ctx.saved_tensors
-        grad = torch.zeros_like(logits)
-        for start in range(0, rows.numel(), ctx.chunk):
-            index, g = rows[start : start + ctx.chunk], grad_out[start : start + ctx.chunk, None]
-            part = torch.softmax(logits.index_select(0, index).to(grad_out.dtype), dim=1).mul_(-g)
-            part.scatter_add_(1, targets[start : start + ctx.chunk, None], g)
-            grad.index_copy_(0, index, part.to(grad.dtype))  # rows are distinct: no two chunks write one row
-        return grad, None, None, None
+        @staticmethod
+        def forward(ctx: Any, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk: int):
+            dtype = torch.promote_types(logits.dtype, torch.float32)
+            out = torch.empty(rows.numel(), dtype=dtype, device=logits.device)
+            for start in range(0, rows.numel(), chunk):
+                part = logits.index_select(0, rows[start : start + chunk]).to(dtype)
+                picked = part.gather(1, targets[start : start + chunk, None]).squeeze(1)
+                out[start : start + chunk] = picked - part.logsumexp(dim=1)
+            ctx.save_for_backward(logits, rows, targets)
+            ctx.chunk = chunk
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: torch.Tensor):
+            logits, rows, targets = ctx.saved_tensors
+            grad = torch.zeros_like(logits)
+            for start in range(0, rows.numel(), ctx.chunk):
+                index, g = rows[start : start + ctx.chunk], grad_out[start : start + ctx.chunk, None]
+                part = torch.softmax(logits.index_select(0, index).to(grad_out.dtype), dim=1).mul_(-g)
+                part.scatter_add_(1, targets[start : start + ctx.chunk, None], g)
+                grad.index_copy_(0, index, part.to(grad.dtype))  # rows are distinct: no two chunks write one row
+            return grad, None, None, None
+
+    return _LabelLogProb
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """Per-token log-probabilities of `targets` (batch, seq) under causal-LM `logits` (batch, seq, vocab): at
     position t, log p(targets[t] | tokens before t), read from the logits at t - 1; 0 where targets is -100 and at
     position 0. Float32 (float64 logits stay float64). Only the scored positions are computed."""
+    import torch
+
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)}")
     length, vocab = targets.shape[1], logits.shape[-1]
     row, col = (targets[:, 1:] != IGNORE).nonzero(as_tuple=True)
     col = col + 1
-    values = _LabelLogProb.apply(logits.reshape(-1, vocab), row * length + col - 1, targets[row, col], chunk_tokens)
+    values = _label_log_prob().apply(logits.reshape(-1, vocab), row * length + col - 1, targets[row, col], chunk_tokens)
     return torch.zeros(targets.shape, dtype=values.dtype, device=values.device).index_put((row, col), values)
 
 
@@ -154,6 +173,8 @@ def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 def sequence_ids_from_bounds(cu_seq_lens: torch.Tensor, shape: torch.Size | tuple[int, int]) -> torch.Tensor:
     """The same from the flattened batch's document boundaries (`cu_seq_lens_q`: 0, end of the first, ..., total)."""
+    import torch
+
     flat = torch.arange(shape[0] * shape[1], device=cu_seq_lens.device)
     return torch.bucketize(flat, cu_seq_lens[1:].to(flat.dtype), right=True).view(shape)
 
@@ -189,6 +210,8 @@ def sequence_logps(
     """Sum `per_token` (from token_logps) over `mask` (batch, seq), per row (sequences None: a padded batch) or
     per sequence of `sequences` (from sequence_ids: a packed batch; `count` sequences, by default all found). A
     token predicted from another sequence (a document's first) never counts, whatever the mask says."""
+    import torch
+
     mask = mask.to(torch.bool, copy=True)
     mask[:, 0] = False
     if sequences is not None:
@@ -229,6 +252,8 @@ def preference_loss(
 
 def _smoothed_sigmoid(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     """-log sigmoid(logits), with the preference taken as flipped with probability `label_smoothing`."""
+    import torch.nn.functional as F
+
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
@@ -280,12 +305,16 @@ def _simpo(cfg, chosen, rejected):
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, each branch where it does not cancel (TRL's orpo_trainer.log1mexp)."""
+    import torch
+
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def _orpo(cfg, chosen, rejected, nll):
     """TRL ORPOTrainer.odds_ratio_loss and get_batch_loss_metrics: NLL minus lambda times log sigmoid of the log odds
     ratio of the average answer log-probabilities."""
+    import torch.nn.functional as F
+
     chosen_logps, rejected_logps = chosen.averaged.float(), rejected.averaged.float()
     log_odds = (chosen_logps - rejected_logps) - (_log1mexp(chosen_logps) - _log1mexp(rejected_logps))
     ratio = F.logsigmoid(log_odds)

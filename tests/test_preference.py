@@ -326,10 +326,10 @@ def test_defaults_and_names_are_trls():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"loss": "orpo", "beta": 0.5}, "beta has no effect with loss orpo"),
-        ({"loss": "ipo", "label_smoothing": 0.1}, "label_smoothing has no effect with loss ipo"),
-        ({"loss": "simpo", "reference": "/models/sft"}, "reference has no effect with loss simpo"),
-        ({"orpo_alpha": 0.2}, "orpo_alpha has no effect with loss sigmoid"),
+        ({"loss": "orpo", "beta": 0.5}, "has no effect with loss orpo"),
+        ({"loss": "ipo", "label_smoothing": 0.1}, "has no effect with loss ipo"),
+        ({"loss": "simpo", "reference": "/models/sft"}, "has no effect with loss simpo"),
+        ({"orpo_alpha": 0.2}, "has no effect with loss sigmoid"),
         ({"loss": "kto"}, "loss"),
         ({"beta": 0}, "greater than 0"),
         ({"beta": True}, "valid number"),
@@ -373,3 +373,20 @@ def test_the_loss_gradient_reaches_the_logits_of_a_packed_batch(pairs):
     (expected,) = torch.autograd.grad(dpo(naive), logits)
     assert grad.abs().sum() > 0
     torch.testing.assert_close(grad, expected, rtol=0, atol=1e-10)
+
+
+def test_a_setting_of_another_loss_is_one_line_naming_it():
+    """In the training config, `preference.<setting>` with its value and the fix, as every config problem reads;
+    reading a config loads no torch (Ray Train's controller and `finetune validate` read it)."""
+    import subprocess
+    import sys
+
+    from app.config import ConfigError, parse
+
+    with pytest.raises(ConfigError) as caught:
+        parse({"preference": {"loss": "simpo", "orpo_alpha": 0.2}})
+    (problem,) = caught.value.problems
+    assert (problem.field, problem.value) == ("preference.orpo_alpha", 0.2), problem
+    assert "no effect with loss simpo" in problem.message and "remove it" in problem.fix
+    probe = "import sys; import app.config; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
