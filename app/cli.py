@@ -189,15 +189,14 @@ def _load(args) -> config_mod.TrainingConfig:
 
 
 def _more_problems(doc: dict, error: ConfigError) -> list[Problem]:
-    """What the data, storage and model checks find in the rest of a config with invalid keys: every problem at
-    once. Only problems of other keys (a key left at its default is not the user's)."""
-    from app import driver
+    """What the checks before a run find in the rest of a config with invalid keys: every problem at once. Only
+    problems of other keys (a key left at its default is not the user's)."""
+    from app import preflight
 
     rest = config_mod.without_invalid(doc, error)
     if rest is None:
         return []
-    rest = _absolute(config_mod.resolve(rest))
-    found = driver.preflight_problems(rest) + driver.read_model_config(rest, True)[1]
+    found = preflight.problems(_absolute(config_mod.resolve(rest)), partial=True).problems
     named = {p.field for p in error.problems}
     return [p for p in found if p.field not in named]
 

@@ -1,4 +1,4 @@
-"""The driver: checks a config end to end, then builds and runs the TorchTrainer.
+"""The driver: checks a config end to end (app.preflight's one pass), then builds and runs the TorchTrainer.
 
 With no RAY_ADDRESS, Ray starts a local cluster inside this process (the laptop / CI case); on KubeRay the
 RayJob's entrypoint runs this on the head and Ray connects to the cluster.
@@ -6,32 +6,20 @@ RayJob's entrypoint runs this on the head and Ray connects to the cluster.
 
 from __future__ import annotations
 
-import errno
-import importlib.util
 import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from app import contract, data, ds_config, logs, preemption, preflight
-from app.config import SOURCE_KEYS, ConfigError, DataConfig, Problem, TrainingConfig
-from app.data import chat
-from app.data import files as data_files
+from app import contract, ds_config, logs, preemption, preflight
+from app.config import ConfigError, Problem, TrainingConfig
 from app.lease import Lease
-from app.model import (
-    check_seq_length,
-    load_model_config,
-    lora_problems,
-    model_facts,
-    model_source,
-    packed_documents_problems,
-)
+from app.model import model_facts
 
 log = logging.getLogger("finetune")
 DS_CONFIG_RECORD = "ds_config.json"
@@ -55,172 +43,6 @@ PASSTHROUGH_PREFIXES = (
 # Never passed on: Ray's runtime environment is readable by anyone who reaches the dashboard (`ray list
 # runtime-envs`). Workers get such variables from their own environment (on KubeRay: the Secret, via the chart).
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$)", re.IGNORECASE)
-
-
-def storage_problems(storage_path: str) -> list[Problem]:
-    """Is the storage path (or its nearest existing parent) a writable folder? Leaves nothing behind."""
-    from app.checkpoint.layout import nearest_existing
-
-    field = "experiment.storage_path"
-    try:
-        probe = nearest_existing(Path(storage_path).expanduser())
-    except OSError as exc:
-        return [Problem(field, storage_path, f"is not a usable path ({exc.strerror})", "use a shorter folder path")]
-    if not probe.is_dir():
-        return [
-            Problem(
-                field, storage_path, f"{probe} is not a folder", "point it at a folder (a mounted volume on Kubernetes)"
-            )
-        ]
-    try:
-        # O_TMPFILE: an unnamed file, so the check never leaves an entry in the folder.
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as exc:
-        reason = "read-only" if exc.errno == errno.EROFS else exc.strerror
-        return [
-            Problem(
-                field, storage_path, f"{probe} is not writable ({reason})", "mount it read-write or choose another path"
-            )
-        ]
-    return []
-
-
-def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Problem], str | None]:
-    """The transformers model config (None when it cannot be read now), its context check, and a note when it
-    cannot be read."""
-    source, random_init = model_source(cfg.model.name_or_path)
-    local = data_files.is_local(source)
-    if local and preflight.model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init):
-        return None, [], None  # preflight_problems names what the folder lacks
-    try:
-        if offline and not local:
-            from transformers import AutoConfig
-
-            mc = AutoConfig.from_pretrained(
-                source, local_files_only=True, trust_remote_code=cfg.model.trust_remote_code
-            )
-        else:
-            mc = load_model_config(cfg.model)
-    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot read it now"
-        if local:
-            return (
-                None,
-                [
-                    Problem(
-                        "model.name_or_path",
-                        cfg.model.name_or_path,
-                        f"not a model folder ({type(exc).__name__})",
-                        "point it at a from_pretrained folder",
-                    )
-                ],
-                None,
-            )
-        return (
-            None,
-            [],
-            (
-                f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
-                "model-shape 'auto' values are checked at run start"
-            ),
-        )
-    return mc, check_seq_length(cfg.data.seq_length, mc), None
-
-
-def attention_problems(cfg: TrainingConfig) -> list[Problem]:
-    """transformers' flash_attention_2 needs GPUs and the flash-attn package, which the image does not ship (the
-    app's own attention, the default `sdpa`, runs FlashAttention through PyTorch): refused here, on the workers'
-    side of the config (scaling.use_gpu) and with the packages of this image, not after the cluster is up."""
-    import importlib.util
-
-    if cfg.model.attn_implementation != "flash_attention_2":
-        return []
-    if not cfg.scaling.use_gpu:
-        reason, fix = "needs GPU workers, and scaling.use_gpu is false", "use sdpa (the default) on CPU workers"
-    elif importlib.util.find_spec("flash_attn") is None:
-        reason = (
-            "needs the flash-attn package, which this image (the workers' too) does not have; it depends on the "
-            "workers' hardware and image"
-        )
-        fix = (
-            "use sdpa (the default: FlashAttention through PyTorch, packed documents kept apart), or install flash-attn"
-        )
-    else:
-        return []
-    return [Problem("model.attn_implementation", "flash_attention_2", reason, fix)]
-
-
-def compile_problems(cfg: TrainingConfig) -> list[Problem]:
-    """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks-history.md;
-    DeepCompile too): refuse it here rather than after the cluster and the model are up. FP8 compiles its
-    own casts and needs torchao (a dependency, so installed wherever this runs). Liger's kernels, when required,
-    need GPUs; whether liger-kernel (the `gpu` extra) is installed is left to the workers: `validate` of a GPU
-    config on a laptop without it is fine."""
-    liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
-    if cfg.model.compile and liger and cfg.deepspeed.zero3:
-        return [
-            Problem(
-                "model.compile",
-                True,
-                "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
-                "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
-                "set model.compile=false (the default), or model.liger_kernels=false",
-            )
-        ]
-    if cfg.model.fp8 and cfg.model.compile:
-        return [
-            Problem(
-                "model.fp8",
-                True,
-                "FP8 compiles its own casts; inside model.compile's whole-model graph it is untried",
-                "set model.compile=false, or model.fp8=false",
-            )
-        ]
-    if cfg.model.fp8 and importlib.util.find_spec("torchao") is None:
-        return [
-            Problem(
-                "model.fp8",
-                True,
-                "torchao is not installed here (the image has it)",
-                "pip install torchao, or set model.fp8=false",
-            )
-        ]
-    if cfg.model.liger_kernels is True and not cfg.scaling.use_gpu:
-        return [
-            Problem(
-                "model.liger_kernels",
-                True,
-                "Liger's kernels run on GPUs only (Triton) and scaling.use_gpu is false",
-                "set model.liger_kernels=auto (GPUs only) or false",
-            )
-        ]
-    return []
-
-
-def fp8_model_problems(cfg: TrainingConfig, model_config) -> list[Problem]:
-    """model.fp8 on a model with no layer to convert (GPT-2's Conv1D), found on the meta-device model: seconds of
-    transformers' modelling import before Ray starts, for FP8 runs only, instead of a failure at every worker."""
-    from app.model import fp8_problems, meta_model
-
-    model = meta_model(model_config, cfg.model.trust_remote_code)
-    return [] if model is None else fp8_problems(model)
-
-
-def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
-    """The config must be plain JSON data: the deepspeed block becomes DeepSpeed's config file."""
-    try:
-        json.dumps(cfg.model_dump(mode="json"), ensure_ascii=False).encode()
-        json.dumps(cfg.deepspeed.to_dict(), allow_nan=True)
-    except (TypeError, ValueError) as exc:  # a date, bytes, a lone surrogate, a YAML anchor that contains itself
-        return [
-            Problem(
-                "CONFIG",
-                "...",
-                f"is not plain text and JSON data: {exc}",
-                "use only mappings, lists, UTF-8 strings, numbers, booleans and null (quote dates)",
-            )
-        ]
-    return []
 
 
 def prepare(
@@ -252,24 +74,16 @@ def check(
     problems: list[Problem] | None = None,
     meanwhile: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], str | None]:
-    """Every check that can run before the workers start, after `problems` already found; raises ConfigError
-    with all of them. Reads `cfg`, never changes it. `meanwhile` (starting Ray) runs once every check has passed,
-    while the model is counted on the meta device in a thread (the layer sizes of the "auto" ZeRO-3 values): that
-    imports transformers' modelling code, seconds of the start-up that then overlap Ray's (docs/benchmarks.md,
-    "Start-up"). An invalid config never starts Ray."""
-    problems = list(problems or []) + ds_config.check(cfg) + preflight_problems(cfg, offline)
-    if meanwhile is not None:  # `finetune train`: a local cluster starts here unless RAY_ADDRESS names one
-        problems += preflight.resource_problems(cfg)
-    mc, model_problems, note = read_model_config(cfg, offline)
-    problems += model_problems + compile_problems(cfg) + attention_problems(cfg)
-    if mc is not None:
-        problems += packed_documents_problems(cfg.data, mc)
-    if not problems and cfg.model.fp8 and mc is not None:
-        problems += fp8_model_problems(cfg, mc)
-    if not problems and cfg.model.lora is not None and mc is not None:
-        problems += lora_problems(cfg.model, mc)
-    if problems:
-        raise ConfigError(problems)
+    """Every check that can run before the workers start (`preflight.problems`: one pass, each check once), after
+    `problems` already found; raises ConfigError with all of them. Reads `cfg`, never changes it. `meanwhile`
+    (starting Ray) runs once every check has passed, while the model is counted on the meta device in a thread (the
+    layer sizes of the "auto" ZeRO-3 values): that imports transformers' modelling code, seconds of the start-up
+    that then overlap Ray's (docs/benchmarks.md, "Start-up"). An invalid config never starts Ray."""
+    # `finetune train` (meanwhile): a local cluster starts here unless RAY_ADDRESS names one
+    found = preflight.problems(cfg, offline, local_cluster=meanwhile is not None, before=problems or [])
+    if found.problems:
+        raise ConfigError(found.problems)
+    mc, note = found.model_config, found.note
     if mc is None:
         facts = {}
     elif meanwhile is None:
@@ -280,35 +94,6 @@ def check(
             meanwhile()
             facts = counting.result()
     return ds_config.build(cfg, **facts), note
-
-
-def preflight_problems(cfg: TrainingConfig, offline: bool = True) -> list[Problem]:
-    """The data, storage, model-file and DeepSpeed-block checks, which need no model config and no cluster."""
-    problems = plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path)
-    for n, (source, _) in enumerate(cfg.data.sources()):
-        try:
-            found = [p for p in [chat.template_name_problem(source)] if p] or data.check_source(source, cfg.model)
-        except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
-            found = [
-                Problem("data.dataset", source.dataset, f"cannot be listed ({exc})", "point it at your data files")
-            ]
-        named = {p.field for p in found}  # e.g. a saved DatasetDict's missing split, found by check_source
-        found += [p for p in preflight.split_problems(cfg.model_copy(update={"data": source})) if p.field not in named]
-        problems += in_source(found, cfg.data, n)
-    return problems + preflight.problems(cfg, offline)
-
-
-def in_source(problems: list[Problem], d: DataConfig, n: int) -> list[Problem]:
-    """The problems of a mixture's source n under its own keys (data.datasets[n].split); as they are for the
-    single source of data.dataset."""
-    if not d.datasets:
-        return problems
-    out = []
-    for p in problems:
-        key = p.field.removeprefix("data.")
-        field = f"data.datasets[{n}].{key}" if key in SOURCE_KEYS else p.field
-        out.append(Problem(field, p.value, p.message, p.fix))
-    return out
 
 
 def worker_env(cfg: TrainingConfig) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""Model, tokenizer, optimizer and learning-rate schedule.
+"""Model, tokenizer, optimizer and learning-rate schedule, and the checks of the model's settings against the model
+and the workers that app.preflight runs before any cluster starts (seq_length, packing, compile, attention, FP8,
+LoRA).
 
 `model.name_or_path` may be `random-init:<folder>`: the model is then built from the folder's config.json with
 freshly initialised weights (no weight files needed), as for pre-training from scratch or for benchmarks of a
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import logging
 import os
@@ -174,6 +177,27 @@ def _declares(model_config, flag: str) -> bool | None:
     return None if model_class is None else bool(getattr(model_class, flag, False))
 
 
+def attention_problems(cfg: TrainingConfig) -> list[Problem]:
+    """transformers' flash_attention_2 needs GPUs and the flash-attn package, which the image does not ship (the
+    app's own attention, the default `sdpa`, runs FlashAttention through PyTorch): refused here, on the workers'
+    side of the config (scaling.use_gpu) and with the packages of this image, not after the cluster is up."""
+    if cfg.model.attn_implementation != "flash_attention_2":
+        return []
+    if not cfg.scaling.use_gpu:
+        reason, fix = "needs GPU workers, and scaling.use_gpu is false", "use sdpa (the default) on CPU workers"
+    elif importlib.util.find_spec("flash_attn") is None:
+        reason = (
+            "needs the flash-attn package, which this image (the workers' too) does not have; it depends on the "
+            "workers' hardware and image"
+        )
+        fix = (
+            "use sdpa (the default: FlashAttention through PyTorch, packed documents kept apart), or install flash-attn"
+        )
+    else:
+        return []
+    return [Problem("model.attn_implementation", "flash_attention_2", reason, fix)]
+
+
 def load_model(
     cfg: ModelConfig, ds_config: dict[str, Any], separate_documents: bool = False, tokens: int | None = None
 ):
@@ -257,9 +281,54 @@ def use_liger(cfg: ModelConfig) -> bool:
     """Whether to patch in Liger's kernels: "auto" means on a GPU with liger-kernel installed."""
     if cfg.liger_kernels != "auto":
         return cfg.liger_kernels
-    import importlib.util
-
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+
+
+def compile_problems(cfg: TrainingConfig) -> list[Problem]:
+    """torch.compile of a ZeRO-3 model with Liger's kernels fails at the first step (docs/benchmarks-history.md;
+    DeepCompile too): refuse it here rather than after the cluster and the model are up. FP8 compiles its
+    own casts and needs torchao (a dependency, so installed wherever this runs). Liger's kernels, when required,
+    need GPUs; whether liger-kernel (the `gpu` extra) is installed is left to the workers: `validate` of a GPU
+    config on a laptop without it is fine."""
+    liger = cfg.model.liger_kernels is True or (cfg.model.liger_kernels == "auto" and cfg.scaling.use_gpu)
+    if cfg.model.compile and liger and cfg.deepspeed.zero3:
+        return [
+            Problem(
+                "model.compile",
+                True,
+                "torch.compile of a ZeRO-3 model with Liger's kernels fails at the "
+                "first step (Liger's fused loss is traced with the partitioned lm_head weight)",
+                "set model.compile=false (the default), or model.liger_kernels=false",
+            )
+        ]
+    if cfg.model.fp8 and cfg.model.compile:
+        return [
+            Problem(
+                "model.fp8",
+                True,
+                "FP8 compiles its own casts; inside model.compile's whole-model graph it is untried",
+                "set model.compile=false, or model.fp8=false",
+            )
+        ]
+    if cfg.model.fp8 and importlib.util.find_spec("torchao") is None:
+        return [
+            Problem(
+                "model.fp8",
+                True,
+                "torchao is not installed here (the image has it)",
+                "pip install torchao, or set model.fp8=false",
+            )
+        ]
+    if cfg.model.liger_kernels is True and not cfg.scaling.use_gpu:
+        return [
+            Problem(
+                "model.liger_kernels",
+                True,
+                "Liger's kernels run on GPUs only (Triton) and scaling.use_gpu is false",
+                "set model.liger_kernels=auto (GPUs only) or false",
+            )
+        ]
+    return []
 
 
 def _apply_liger(model, required: bool) -> None:
@@ -316,7 +385,7 @@ def fp8_pays(layer: torch.nn.Linear, tokens: int) -> bool:
 
 def fp8_problems(model) -> list[Problem]:
     """model.fp8 on a model with nothing to convert would train in bf16 while saying FP8: refused. Checked on
-    the meta-device model before any cluster starts (driver.check) and again on the real one."""
+    the meta-device model before any cluster starts (app.preflight) and again on the real one."""
     if fp8_linears(model):
         return []
     return [
@@ -328,6 +397,13 @@ def fp8_problems(model) -> list[Problem]:
             "set model.fp8=false",
         )
     ]
+
+
+def fp8_model_problems(cfg: TrainingConfig, model_config) -> list[Problem]:
+    """model.fp8 on a model with no layer to convert (GPT-2's Conv1D), found on the meta-device model: seconds of
+    transformers' modelling import before Ray starts, for FP8 runs only, instead of a failure at every worker."""
+    model = meta_model(model_config, cfg.model.trust_remote_code)
+    return [] if model is None else fp8_problems(model)
 
 
 def _apply_fp8(model, compiled: bool, tokens: int | None = None) -> None:

@@ -1,7 +1,12 @@
-"""Checks that run before any cluster starts and cost milliseconds: the model and tokenizer files, the splits and
-fractions of local data, what DeepSpeed itself would refuse only at `initialize`, and whether the machine a local
-Ray cluster starts on can ever hold the workers asked for. Also the one place that turns Ray's "the worker group
-could not be placed" into one line naming the request and what the cluster offers.
+"""Every check before a run, in one pass: `problems` runs each domain's checks once, in a fixed order, for
+`finetune validate`, `prepare` and `train` alike, before any cluster starts. The domains keep their checks:
+app.ds_config the deepspeed block against the other sections, app.data and app.chat a data source and a sample of
+its rows, app.model the model's settings against its config and the workers (seq_length, packing, compile,
+attention, FP8, LoRA). The checks here cost milliseconds: the config as plain data, the storage folder, the model
+and tokenizer files, the splits and fractions of local data, what DeepSpeed itself would refuse only at
+`initialize`, and whether the machine a local Ray cluster starts on can ever hold the workers asked for. Also the
+one place that turns Ray's "the worker group could not be placed" into one line naming the request and what the
+cluster offers.
 
 Every check reads files or a few numbers; none starts a process. What only the workers can judge (a hub model
 when the hub is unreachable, a hub dataset's splits) is left to them.
@@ -10,28 +15,190 @@ when the hub is unreachable, a hub dataset's splits) is left to them.
 from __future__ import annotations
 
 import codecs
+import errno
 import json
 import math
 import os
 import re
 import struct
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
+from app import data, ds_config
+from app.config import SOURCE_KEYS, DataConfig, TrainingConfig
+from app.data import chat
 from app.data import files as data_files
 from app.errors import Problem
-from app.model import model_source
-
-if TYPE_CHECKING:
-    from app.config import TrainingConfig
+from app.model import (
+    attention_problems,
+    check_seq_length,
+    compile_problems,
+    fp8_model_problems,
+    load_model_config,
+    lora_problems,
+    model_source,
+    packed_documents_problems,
+)
 
 # Ray Train's wait for the worker group's placement (its default is 60 s, then it retries without limit).
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 
 
-def problems(cfg: TrainingConfig, offline: bool = True) -> list[Problem]:
-    """Every check here that needs no cluster; the hub is asked only when `offline` is false."""
-    return model_problems(cfg, offline) + deepspeed_problems(cfg)  # a data source's splits: driver's, per source
+class Found(NamedTuple):
+    """What the pass found: every problem, the model's transformers config (None where it cannot be read here) and
+    a note saying why not."""
+
+    problems: list[Problem]
+    model_config: Any
+    note: str | None
+
+
+def problems(
+    cfg: TrainingConfig,
+    offline: bool = True,
+    local_cluster: bool = False,
+    before: list[Problem] | None = None,
+    partial: bool = False,
+) -> Found:
+    """Every check before a run, each once, in this order: the deepspeed block against the other sections, the config
+    as plain data, the storage folder, each data source, the model's and the tokenizer's files, the deepspeed block's
+    own keys, this machine's GPUs and CPUs when a local Ray cluster starts here (`local_cluster`); then, with the
+    model's config, seq_length against its context, packed documents, compile, the attention kernel and, when
+    nothing else was found (`before` included: the resume plan's problems), FP8's layers and LoRA's targets on the
+    meta-device model. The hub is asked only when `offline` is false. `partial`: `cfg` is what is left of a config
+    with invalid keys, their defaults in their place: only the checks of one setting each run, so that no rule
+    between settings blames a default the user never chose."""
+    whole = not partial
+    found = list(before or []) + (ds_config.check(cfg) if whole else [])
+    found += plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path) + data_problems(cfg)
+    weights = model_problems(cfg, offline)
+    found += weights + tokenizer_setting_problems(cfg, offline, model_found=bool(weights)) + deepspeed_problems(cfg)
+    if whole and local_cluster:
+        found += resource_problems(cfg)
+    # A model folder found lacking is not read: model_problems has named what it lacks.
+    mc, unread, note = read_model_config(cfg, offline) if not weights else (None, [], None)
+    found += unread + (check_seq_length(cfg.data.seq_length, mc) if mc is not None else [])
+    if not whole:
+        return Found(found, mc, note)
+    found += compile_problems(cfg) + attention_problems(cfg)
+    if mc is not None:
+        found += packed_documents_problems(cfg.data, mc)
+    if not found and cfg.model.fp8 and mc is not None:
+        found += fp8_model_problems(cfg, mc)
+    if not found and cfg.model.lora is not None and mc is not None:
+        found += lora_problems(cfg.model, mc)
+    return Found(found, mc, note)
+
+
+def read_model_config(cfg: TrainingConfig, offline: bool) -> tuple[Any, list[Problem], str | None]:
+    """The transformers model config (None when it cannot be read now), the problem of a local folder that holds
+    none, and a note when it cannot be read now (offline, or a hub that does not answer)."""
+    source, _ = model_source(cfg.model.name_or_path)
+    local = data_files.is_local(source)
+    try:
+        if offline and not local:
+            from transformers import AutoConfig
+
+            mc = AutoConfig.from_pretrained(
+                source, local_files_only=True, trust_remote_code=cfg.model.trust_remote_code
+            )
+        else:
+            mc = load_model_config(cfg.model)
+    except Exception as exc:  # noqa: BLE001 - any failure here means "cannot read it now"
+        if local:
+            reason = f"not a model folder ({type(exc).__name__})"
+            return (
+                None,
+                [Problem("model.name_or_path", cfg.model.name_or_path, reason, "point it at a from_pretrained folder")],
+                None,
+            )
+        return (
+            None,
+            [],
+            (
+                f"model config of '{cfg.model.name_or_path}' is not available offline: seq_length and the "
+                "model-shape 'auto' values are checked at run start"
+            ),
+        )
+    return mc, [], None
+
+
+# --- the config, the storage folder and the data sources ------------------------------------------------------
+
+
+def plain_data_problems(cfg: TrainingConfig) -> list[Problem]:
+    """The config must be plain JSON data: the deepspeed block becomes DeepSpeed's config file."""
+    try:
+        json.dumps(cfg.model_dump(mode="json"), ensure_ascii=False).encode()
+        json.dumps(cfg.deepspeed.to_dict(), allow_nan=True)
+    except (TypeError, ValueError) as exc:  # a date, bytes, a lone surrogate, a YAML anchor that contains itself
+        return [
+            Problem(
+                "CONFIG",
+                "...",
+                f"is not plain text and JSON data: {exc}",
+                "use only mappings, lists, UTF-8 strings, numbers, booleans and null (quote dates)",
+            )
+        ]
+    return []
+
+
+def storage_problems(storage_path: str) -> list[Problem]:
+    """Is the storage path (or its nearest existing parent) a writable folder? Leaves nothing behind."""
+    from app.checkpoint.layout import nearest_existing
+
+    field = "experiment.storage_path"
+    try:
+        probe = nearest_existing(Path(storage_path).expanduser())
+    except OSError as exc:
+        return [Problem(field, storage_path, f"is not a usable path ({exc.strerror})", "use a shorter folder path")]
+    if not probe.is_dir():
+        return [
+            Problem(
+                field, storage_path, f"{probe} is not a folder", "point it at a folder (a mounted volume on Kubernetes)"
+            )
+        ]
+    try:
+        # O_TMPFILE: an unnamed file, so the check never leaves an entry in the folder.
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        reason = "read-only" if exc.errno == errno.EROFS else exc.strerror
+        return [
+            Problem(
+                field, storage_path, f"{probe} is not writable ({reason})", "mount it read-write or choose another path"
+            )
+        ]
+    return []
+
+
+def data_problems(cfg: TrainingConfig) -> list[Problem]:
+    """Each data source's: a chat template's name, its files, columns and a sample of its rows (app.data), and its
+    splits and fractions; a mixture's sources under their own keys."""
+    found = []
+    for n, (source, _) in enumerate(cfg.data.sources()):
+        try:
+            own = [p for p in [chat.template_name_problem(source)] if p] or data.check_source(source, cfg.model)
+        except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
+            own = [Problem("data.dataset", source.dataset, f"cannot be listed ({exc})", "point it at your data files")]
+        named = {p.field for p in own}  # e.g. a saved DatasetDict's missing split, found by check_source
+        own += [p for p in split_problems(cfg.model_copy(update={"data": source})) if p.field not in named]
+        found += in_source(own, cfg.data, n)
+    return found
+
+
+def in_source(problems: list[Problem], d: DataConfig, n: int) -> list[Problem]:
+    """The problems of a mixture's source n under its own keys (data.datasets[n].split); as they are for the
+    single source of data.dataset."""
+    if not d.datasets:
+        return problems
+    out = []
+    for p in problems:
+        key = p.field.removeprefix("data.")
+        field = f"data.datasets[{n}].{key}" if key in SOURCE_KEYS else p.field
+        out.append(Problem(field, p.value, p.message, p.fix))
+    return out
 
 
 # --- model and tokenizer -----------------------------------------------------------------------------------
@@ -48,24 +215,30 @@ def looks_local(name: str) -> bool:
 
 
 def model_problems(cfg: TrainingConfig, offline: bool) -> list[Problem]:
+    """model.name_or_path: a URL, a local folder without what from_pretrained reads, or (online) a hub name the hub
+    does not know."""
     source, random_init = model_source(cfg.model.name_or_path)
-    found = []
     if remote := data_files.url_problem("model.name_or_path", cfg.model.name_or_path, source, "the model folder"):
-        found.append(remote)
-    elif looks_local(source):
-        found += model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init)
-    elif not offline:
-        found += hub_problems(source, "model.name_or_path", weights=not random_init)
+        return [remote]
+    if looks_local(source):
+        return model_folder_problems(Path(source).expanduser(), cfg.model.name_or_path, random_init)
+    return [] if offline else hub_problems(source, "model.name_or_path", weights=not random_init)
+
+
+def tokenizer_setting_problems(cfg: TrainingConfig, offline: bool, model_found: bool) -> list[Problem]:
+    """model.tokenizer's files or hub name; unset, the model folder's tokenizer files (unless `model_found`
+    problems with the folder already)."""
+    source, _ = model_source(cfg.model.name_or_path)
     tokenizer = cfg.model.tokenizer
     if tokenizer and looks_local(tokenizer):
-        found += tokenizer_problems(Path(tokenizer).expanduser(), "model.tokenizer", tokenizer)
-    elif tokenizer and not offline:
-        found += hub_problems(tokenizer, "model.tokenizer", weights=False)
-    elif not tokenizer and looks_local(source) and not found:
-        found += tokenizer_problems(
+        return tokenizer_problems(Path(tokenizer).expanduser(), "model.tokenizer", tokenizer)
+    if tokenizer and not offline:
+        return hub_problems(tokenizer, "model.tokenizer", weights=False)
+    if not tokenizer and looks_local(source) and not model_found:
+        return tokenizer_problems(
             Path(source).expanduser(), "model.name_or_path", cfg.model.name_or_path, "or set model.tokenizer"
         )
-    return found
+    return []
 
 
 def model_folder_problems(folder: Path, value: str, random_init: bool) -> list[Problem]:

@@ -60,7 +60,7 @@ def test_an_accepted_change_continues_and_is_recorded(started, tiny_model):
 
 
 def test_a_template_name_the_app_does_not_ship_is_refused_with_the_names(tmp_path, tiny_model):
-    from app import driver
+    from app import preflight
     from app.config import DataConfig, TrainingConfig
     from app.data import chat
 
@@ -74,7 +74,7 @@ def test_a_template_name_the_app_does_not_ship_is_refused_with_the_names(tmp_pat
             "data": {"dataset": str(tmp_path / "none.jsonl"), "chat_template": "llama3", "split": "train"},
         }
     )
-    found = [p for p in driver.preflight_problems(cfg) if p.field == "data.chat_template"]
+    found = [p for p in preflight.data_problems(cfg) if p.field == "data.chat_template"]
     assert len(found) == 1 and "chatml, zephyr, qwen3" in str(found[0])
 
 
@@ -130,12 +130,12 @@ def test_the_memory_hint_suggests_only_what_the_run_has_not_set():
 
 
 def test_an_attention_the_workers_cannot_run_is_refused_before_the_cluster():
-    from app import driver
     from app.config import TrainingConfig
+    from app.model import attention_problems
 
     cpu = TrainingConfig.model_validate(
         {"model": {"attn_implementation": "flash_attention_2"}, "scaling": {"use_gpu": False}}
     )
-    assert [p.field for p in driver.attention_problems(cpu)] == ["model.attn_implementation"]
-    assert "GPU workers" in driver.attention_problems(cpu)[0].message
-    assert driver.attention_problems(TrainingConfig.model_validate({"scaling": {"use_gpu": False}})) == []
+    assert [p.field for p in attention_problems(cpu)] == ["model.attn_implementation"]
+    assert "GPU workers" in attention_problems(cpu)[0].message
+    assert attention_problems(TrainingConfig.model_validate({"scaling": {"use_gpu": False}})) == []

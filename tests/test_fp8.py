@@ -127,10 +127,9 @@ def test_fp8_refuses_a_model_with_nothing_to_convert(tiny_model):
 
 
 def test_fp8_check_before_the_cluster_passes_what_the_workers_convert(tmp_path, tiny_model):
-    """driver.check looks for layers to convert on the meta-device model: a Llama passes (the same layers as
+    """The checks before a run look for layers to convert on the meta-device model: a Llama passes (the same layers as
     test_fp8_converts_the_decoder_linears_only), GPT-2 is refused (tests/test_config.py: exit 2, nothing written)."""
-    from app.driver import fp8_model_problems
-    from app.model import fp8_linears, load_model_config, meta_model
+    from app.model import fp8_linears, fp8_model_problems, load_model_config, meta_model
 
     tiny_llama(tmp_path, fp8=False)  # writes its config
     sets = [f"experiment.storage_path={tmp_path}", "scaling.use_gpu=false", "model.fp8=true"]

@@ -6,9 +6,12 @@ nothing is written (app/preflight.py)."""
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
+import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -349,6 +352,61 @@ def test_accepted_neighbours(case, tmp_path, tiny_model, capsys):
     inputs.mkdir()
     _write(inputs, files, tiny_model)
     assert main(["validate", *_args(tmp_path / "storage", inputs, tiny_model, sets)]) == 0, capsys.readouterr().err
+
+
+# --- one pass -------------------------------------------------------------------------------------------------
+
+CHECK_NAME = re.compile(r"(problems?|^check(_\w+)?|^read_model_config)$")
+
+
+class BeforeTheCluster(Exception):
+    pass
+
+
+def counted_checks(monkeypatch) -> collections.Counter:
+    """Every check function of the app's loaded modules (named *problems, *problem, check*, read_model_config),
+    wrapped wherever a module binds it, counting its calls."""
+    import app.cli
+    import app.driver  # noqa: F401 - loads every module the checks before a run live in
+
+    modules = [m for name, m in list(sys.modules.items()) if name == "app" or name.startswith("app.")]
+    counts: collections.Counter = collections.Counter()
+    for fn in {id(f): f for m in modules for n, f in vars(m).items() if inspect.isfunction(f)}.values():
+        if not (fn.__module__.startswith("app") and CHECK_NAME.search(fn.__name__)):
+            continue
+        name = f"{fn.__module__}.{fn.__qualname__}"
+
+        def counting(*args, _fn=fn, _name=name, **kwargs):
+            counts[_name] += 1
+            return _fn(*args, **kwargs)
+
+        for module in modules:
+            for attr, value in list(vars(module).items()):
+                if value is fn:
+                    monkeypatch.setattr(module, attr, counting)
+    return counts
+
+
+@pytest.mark.parametrize("command", ["validate", "validate with an invalid key", "train"])
+def test_each_check_runs_once_per_command(command, tmp_path, tiny_model, monkeypatch):
+    """The checks before a run are one pass (preflight.problems): for `finetune validate`, for `validate` of a config
+    with an invalid key and for `finetune train` up to the start of its cluster, no check runs twice (a model
+    folder was read twice, the DeepSpeed block's rules checked again by the builder)."""
+    counts = counted_checks(monkeypatch)
+    monkeypatch.setattr("app.driver.start_ray", lambda cfg: (_ for _ in ()).throw(BeforeTheCluster()))
+    sets = ["train.epochs=0"] if "invalid" in command else []
+    argv = [command.split()[0], *_args(tmp_path / "storage", tmp_path, tiny_model, sets)]
+    if command == "train":
+        with pytest.raises(BeforeTheCluster):
+            main(argv)
+    else:
+        assert main(argv) == (2 if sets else 0)
+    assert {name: n for name, n in counts.items() if n > 1} == {}
+    ran = {"app.preflight.problems", "app.preflight.storage_problems", "app.preflight.model_folder_problems"}
+    ran |= {"app.preflight.split_problems", "app.preflight.read_model_config", "app.model.check_seq_length"}
+    if not sets:
+        ran |= {"app.ds_config.check", "app.model.compile_problems", "app.model.packed_documents_problems"}
+    assert ran <= set(counts), sorted(counts)
 
 
 # --- resources of a local cluster ---------------------------------------------------------------------------
