@@ -175,7 +175,7 @@ class ModelConfig(Section):
         return _usable_path(v)
 
 
-FORMATS = Literal["auto", "text", "chat", "prompt_completion"]
+FORMATS = Literal["auto", "text", "chat", "prompt_completion", "preference"]
 SOURCE_KEYS = ("dataset", "split", "config_name", "format", "text_field", "chat_template")
 
 
@@ -231,8 +231,11 @@ class DataConfig(Section):
         "column holds the function schemas; ShareGPT's 'conversations' of {from, value} turns are read as "
         "messages) rendered with the chat template; prompt_completion: 'prompt' and "
         "'completion' columns, both text or both lists of messages (rendered as one conversation, the "
-        "completion's assistant turns the targets); auto: chat when a 'messages' or 'conversations' column "
-        "exists, else prompt_completion when both 'prompt' and 'completion' do, else text (the choice is logged).",
+        "completion's assistant turns the targets); preference: 'prompt', 'chosen' and 'rejected' columns, all "
+        "text or all lists of messages (without 'prompt': chosen and rejected conversations sharing their prompt "
+        "turns), for `preference` training, the answers the targets; auto: preference when 'chosen' and "
+        "'rejected' columns exist, else chat when a 'messages' or 'conversations' column does, else "
+        "prompt_completion when both 'prompt' and 'completion' do, else text (the choice is logged).",
     )
     chat_template: str | None = Field(
         None,

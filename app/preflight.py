@@ -179,7 +179,9 @@ def data_problems(cfg: TrainingConfig) -> list[Problem]:
     found = []
     for n, (source, _) in enumerate(cfg.data.sources()):
         try:
-            own = [p for p in [chat.template_name_problem(source)] if p] or data.check_source(source, cfg.model)
+            own = [p for p in [chat.template_name_problem(source)] if p] or data.check_source(
+                source, cfg.model, preference=cfg.preference is not None
+            )
         except OSError as exc:  # e.g. a folder under /proc, or one that vanishes while it is listed
             own = [Problem("data.dataset", source.dataset, f"cannot be listed ({exc})", "point it at your data files")]
         named = {p.field for p in own}  # e.g. a saved DatasetDict's missing split, found by check_source

@@ -1,4 +1,5 @@
-"""A tiny GPT-2-style model and a small text corpus, built offline, for `make run`, tests and drills.
+"""A tiny GPT-2-style model and a small text corpus (and preference pairs over it), built offline, for `make run`,
+tests and drills.
 
 No model or dataset hub is needed: the corpus is generated from templates (ag_news-like headlines in the
 tutorial's four classes), the tokenizer is a byte-level BPE trained on it with `tokenizers`, and the model
@@ -38,6 +39,38 @@ def corpus_lines(n: int, seed: int = 0) -> list[dict]:
         text = f"{rng.choice(SUBJECTS[label])} {rng.choice(VERBS)} {rng.choice(OBJECTS[label])} {rng.choice(TAILS)}"
         rows.append({"text": text, "label": label})
     return rows
+
+
+QUESTION = "Which section is this headline for?"
+
+
+def preference_rows(n: int, seed: int = 0, form: str = "conversational") -> list[dict]:
+    """Preference pairs over the corpus' headlines whose chosen answer names the headline's section and ends with a
+    full stop, and whose rejected answer names another section and ends with '!': a pattern a tiny model learns
+    in a few steps (every rejected answer breaks it). `form`: conversational (TRL's prompt and answers as lists of
+    messages), implicit (two whole conversations sharing the user turn) or text (three strings)."""
+    rng = random.Random(seed)
+    rows = []
+    for line in corpus_lines(n, seed):
+        wrong = rng.choice([label for label in SUBJECTS if label != line["label"]])
+        question, chosen, rejected = f"{QUESTION} {line['text']}", f"{line['label']}.", f"{wrong}!"
+        if form == "text":
+            rows.append({"prompt": f"{question}\nAnswer:", "chosen": f" {chosen}", "rejected": f" {rejected}"})
+            continue
+        user = [{"role": "user", "content": question}]
+        chosen_turns = [{"role": "assistant", "content": chosen}]
+        rejected_turns = [{"role": "assistant", "content": rejected}]
+        if form == "implicit":
+            rows.append({"chosen": user + chosen_turns, "rejected": user + rejected_turns})
+        else:
+            rows.append({"prompt": user, "chosen": chosen_turns, "rejected": rejected_turns})
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def write_corpus(path: Path, n: int = 2000, seed: int = 0) -> Path:

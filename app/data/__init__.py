@@ -4,6 +4,7 @@
 - `checks`: a source's files, splits, columns and a sample of its rows, checked before any cluster starts;
 - `sources`: a split's rows as `datasets` reads them, where a row came from, the format its columns mean;
 - `chat`: formats, chat templates, rendering and masking (which tokens are targets), fitting to seq_length, packing;
+- `pairs`: preference pairs (a prompt, a chosen and a rejected answer): their forms, checks, encoding and fitting;
 - `encode`: one unit of rows to compact arrays (render, mask, tokenize, pack);
 - `pipeline`: the prepared dataset's key, and its preparation by Ray Data over every CPU of the cluster;
 - `store`: the prepared dataset on the volume, read memory-mapped as a map-style dataset;
@@ -31,6 +32,7 @@ _HOMES = {
         "document_starts",
         "packed_batch",
         "PackedCollator",
+        "PairCollator",
         "collator",
         "make_loader",
         "EvalShard",
@@ -40,7 +42,19 @@ _HOMES = {
     ),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-_MODULES = ("files", "checks", "sources", "chat", "encode", "pipeline", "store", "manifest", "loader", "legacy")
+_MODULES = (
+    "files",
+    "checks",
+    "sources",
+    "chat",
+    "pairs",
+    "encode",
+    "pipeline",
+    "store",
+    "manifest",
+    "loader",
+    "legacy",
+)
 
 
 def __getattr__(name: str) -> Any:

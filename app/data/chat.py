@@ -29,9 +29,15 @@ from app.errors import Problem, _short
 
 log = logging.getLogger("finetune")
 
-FORMATS = ("text", "chat", "prompt_completion")
-# The columns a format reads: a chat row's turns are in the first of its columns that the row has.
-COLUMNS = {"text": (), "chat": ("messages", "conversations"), "prompt_completion": ("prompt", "completion")}
+FORMATS = ("text", "chat", "prompt_completion", "preference")
+# The columns a format reads: a chat row's turns are in the first of its columns that the row has. Preference pairs
+# are app.data.pairs'.
+COLUMNS = {
+    "text": (),
+    "chat": ("messages", "conversations"),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+}
 # ShareGPT's speakers as roles; function_call is an assistant turn whose value is the call's JSON.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool", "function_call": "assistant"}
 # Alpaca's columns (instruction, input, output) and Dolly's (instruction, context, response) are a chat row too: a
@@ -144,11 +150,14 @@ TEMPLATES = {
 
 
 def resolve_format(fmt: str, columns: list[str], text_field: str = "text") -> str:
-    """The format `data.format` means for a dataset with these columns (auto: chat, prompt_completion or text).
+    """The format `data.format` means for a dataset with these columns (auto: preference, chat, prompt_completion or
+    text). Pairs first: preference sets often carry the chosen conversation as `messages` too (UltraFeedback's).
     Alpaca's columns beside a text column (data.text_field; tatsu-lab/alpaca has one, each row rendered with
     Alpaca's own prompt) stay text, as they trained before the app read Alpaca's columns."""
     if fmt != "auto":
         return fmt
+    if "chosen" in columns and "rejected" in columns:
+        return "preference"
     if any(c in columns for c in COLUMNS["chat"]):
         return "chat"
     if "prompt" in columns and "completion" in columns:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from app.config import DataConfig
-from app.data import chat
+from app.data import chat, pairs
 from app.data.files import (
     CSV_SEPARATORS,
     LOCAL_BUILDERS,
@@ -34,9 +34,13 @@ from app.errors import Problem, _short
 log = logging.getLogger("finetune")
 
 
-def check_source(cfg: DataConfig, model=None) -> list[Problem]:
+def check_source(cfg: DataConfig, model=None, preference: bool | None = None) -> list[Problem]:
     """What can be checked about the data source before any worker starts: that it exists, and, for local data,
-    its columns and a sample of its rows (chat rows rendered with the tokenizer of `model`, a ModelConfig)."""
+    its columns and a sample of its rows (chat rows rendered with the tokenizer of `model`, a ModelConfig); with
+    `preference` (whether the training config has one; None: not checked), that the data is what it trains on."""
+    if preference is not None and not is_local(cfg.dataset) and cfg.format != "auto":
+        if found := pairs.format_problems(cfg, cfg.format, preference):  # a hub dataset's own columns: in the run
+            return found
     if not is_local(cfg.dataset):
         if remote := url_problem("data.dataset", cfg.dataset, cfg.dataset, "the data files"):
             return [remote]
@@ -52,7 +56,7 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
             ]
         return []  # a hub name: only the run can reach the hub
     if saved_dataset(Path(os.path.expanduser(cfg.dataset))):
-        return _saved_problems(cfg, model)
+        return _saved_problems(cfg, model, preference)
     try:
         by_split = split_files(cfg.dataset, cfg.config_name)
     except UnknownConfig as exc:
@@ -100,7 +104,9 @@ def check_source(cfg: DataConfig, model=None) -> list[Problem]:
     kind = kinds.pop()
     # The files of the splits this run reads (a folder's test split is not sampled for its training split).
     files = [f for name in _splits_read(cfg) for f in by_split.get(name, [])] or everything
-    chat_problems = _chat_sample_problems(cfg, files, kind, model)
+    chat_problems = _chat_sample_problems(cfg, files, kind, model, preference)
+    if chat_problems is None and preference:  # text: no pairs
+        return pairs.format_problems(cfg, "text", preference)
     return _sample_problems(cfg, files, kind) if chat_problems is None else chat_problems
 
 
@@ -135,8 +141,11 @@ def _tokenizer_of(model):
     return lambda: load_tokenizer(model)
 
 
-def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -> list[Problem] | None:
-    """The chat or prompt/completion checks of the sampled rows (app.data.chat); None when the data is text."""
+def _chat_sample_problems(
+    cfg: DataConfig, files: list[str], kind: str, model, preference: bool | None = None
+) -> list[Problem] | None:
+    """The chat, prompt/completion or preference checks of the sampled rows (app.data.chat, app.data.pairs); None
+    when the data is text."""
     first = next((f for f in files[:SAMPLE_FILES] if os.path.getsize(f)), None)
     if first is None or kind == "text":
         return None
@@ -147,6 +156,8 @@ def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -
     fmt = chat.resolve_format(cfg.format, columns or [], cfg.text_field)
     if fmt == "text" or columns is None:
         return None
+    if preference is not None and (found := pairs.format_problems(cfg, fmt, preference)):
+        return found
     rows = []
     for file in files[:SAMPLE_FILES]:
         if not os.path.getsize(file):
@@ -171,7 +182,14 @@ def _chat_sample_problems(cfg: DataConfig, files: list[str], kind: str, model) -
         for n in range(count):
             where = f"{file} {places[n]}" if n < len(places) else f"{file} row {n + 1}"
             rows.append((where, {c: v[n] if n < len(v) else None for c, v in values.items()}))
-    return chat.sample_problems(cfg, fmt, rows, _tokenizer_of(model))
+    return rows_problems(cfg, fmt, rows, _tokenizer_of(model))
+
+
+def rows_problems(cfg: DataConfig, fmt: str, rows: list, tokenizer_of) -> list[Problem]:
+    """The sampled rows' problems, by the format's own checks."""
+    if fmt == "preference":
+        return pairs.sample_problems(cfg, rows, tokenizer_of)
+    return chat.sample_problems(cfg, fmt, rows, tokenizer_of)
 
 
 def looks_like_path(spec: str) -> bool:
@@ -331,7 +349,7 @@ def _json_sample(text: str, lines: list[str], complete: bool, field: str) -> tup
     raise ValueError("a JSON document must be a list of objects or an object of column lists")
 
 
-def _saved_problems(cfg: DataConfig, model=None) -> list[Problem]:
+def _saved_problems(cfg: DataConfig, model=None, preference: bool | None = None) -> list[Problem]:
     import datasets
 
     try:
@@ -350,10 +368,13 @@ def _saved_problems(cfg: DataConfig, model=None) -> list[Problem]:
         if name not in loaded:
             return [Problem("data.split", cfg.split, f"no split '{name}'; it has {list(loaded)}", "use one of them")]
         loaded = loaded[name]
-    if (fmt := chat.resolve_format(cfg.format, loaded.column_names, cfg.text_field)) != "text":
+    fmt = chat.resolve_format(cfg.format, loaded.column_names, cfg.text_field)
+    if preference is not None and (found := pairs.format_problems(cfg, fmt, preference)):
+        return found
+    if fmt != "text":
         sample = loaded.select(range(min(len(loaded), SAMPLE_ROWS))).to_list()
         rows = [(f"row {n + 1} of {cfg.dataset}", row) for n, row in enumerate(sample)]
-        return chat.sample_problems(cfg, fmt, rows, _tokenizer_of(model))
+        return rows_problems(cfg, fmt, rows, _tokenizer_of(model))
     field = cfg.text_field
     if field not in loaded.column_names:
         return [

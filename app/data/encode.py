@@ -5,7 +5,8 @@ tokenizing and packing of a split, done unit by unit so that the same unit gives
 A unit's arrays (`Unit`): `tokens` (int32, every kept document's ids one after the other), `docs` (int64 offsets of
 the documents in `tokens`), `targets` (a bit a token, 1 where it is a target, np.packbits' order; chat and
 prompt/completion only: text's targets are its tokens) and, for packed chat, `blocks` (int64 offsets into `docs`:
-block b is documents blocks[b]..blocks[b+1]-1, in order). Packed text is one stream of documents each followed by
+block b is documents blocks[b]..blocks[b+1]-1, in order). Preference pairs (app.data.pairs) are two documents
+each, chosen then rejected, next to each other, packed or not. Packed text is one stream of documents each followed by
 EOS, cut to whole seq_length blocks (the unit's tail is dropped, as packing per 4,096-row batch always did), so it
 needs no offsets.
 Labels and position ids are not stored: app.data.store derives them.
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from app.data import chat
+from app.data import chat, pairs
 
 log = logging.getLogger("finetune")
 UNIT_ROWS = 4096  # rows per unit: also the packing group (best fit decreasing runs over a unit's conversations)
@@ -43,7 +44,10 @@ class Unit:
 
 def layout_of(fmt: str, packing: bool) -> str:
     """How blocks are cut from a unit: 'stream' (packed text: fixed slices), 'blocks' (packed conversations:
-    whole documents per block) or 'rows' (unpacked: one document a row, padded when read)."""
+    whole documents per block) or 'rows' (unpacked: one document a row, padded when read); preference pairs are
+    'pair_blocks' (whole pairs per block, each chosen then rejected) or 'pair_rows' (a pair's two rows a sample)."""
+    if fmt == "preference":
+        return "pair_blocks" if packing else "pair_rows"
     if not packing:
         return "rows"
     return "stream" if fmt == "text" else "blocks"
@@ -54,12 +58,15 @@ class UnitEncoder:
 
     def __init__(self, cfg, fmt: str, tokenizer, locate: Callable[[int], str]):
         self.cfg, self.fmt, self.tokenizer, self.locate = cfg, fmt, tokenizer, locate
-        self.chat = chat.Encoder(cfg, fmt, tokenizer, locate) if fmt != "text" else None
+        self.chat = chat.Encoder(cfg, fmt, tokenizer, locate) if fmt not in ("text", "preference") else None
+        self.pairs = pairs.Encoder(cfg, tokenizer, locate) if fmt == "preference" else None
 
     def __call__(self, rows: dict[str, list]) -> Unit:
         """`rows`: the unit's columns (chat rows carry chat.ROW, their index in the split, for error messages)."""
         if self.fmt == "text":
             return self._text(rows)
+        if self.fmt == "preference":
+            return self._pairs(rows)
         return self._chat(rows)
 
     def _text(self, rows: dict[str, list]) -> Unit:
@@ -103,6 +110,34 @@ class UnitEncoder:
         unit.counts["blocks"] = len(order)
         return unit
 
+    def _pairs(self, rows: dict[str, list]) -> Unit:
+        """Each pair two documents, chosen then rejected, kept together: packed, whole pairs per block (best fit
+        decreasing over the pairs' lengths); unpacked, a pair's two documents are one sample."""
+        names = list(rows)
+        n = len(rows[names[0]]) if names else 0
+        encoded, truncated, dropped = [], 0, 0
+        for i in range(n):
+            fitted = pairs.fit(
+                *self.pairs({name: rows[name][i] for name in names}), self.cfg.seq_length, self.cfg.packing
+            )
+            if fitted is None:
+                dropped += 1
+                continue
+            truncated += fitted[1]
+            encoded.append(fitted[0])
+        counts = {"rows": n, "too_long": dropped, "truncated": truncated, "pairs": len(encoded)}
+        groups = (
+            chat.best_fit([len(c[0]) + len(r[0]) for c, r in encoded], self.cfg.seq_length)
+            if self.cfg.packing
+            else None
+        )
+        docs = [doc for members in groups or [[i] for i in range(len(encoded))] for i in members for doc in encoded[i]]
+        unit = self._rows([ids for ids, _ in docs], [labels for _, labels in docs], counts)
+        if groups is not None:
+            unit.blocks = np.cumsum([0] + [2 * len(members) for members in groups], dtype=np.int64)
+        unit.counts["blocks"] = len(encoded) if groups is None else len(groups)
+        return unit
+
     def _rows(self, ids: list[list[int]], labels: list[list[int]] | None, counts: dict[str, int]) -> Unit:
         """Documents one after the other, with their offsets and (chat) their target mask."""
         lengths = [len(doc) for doc in ids]
@@ -119,10 +154,15 @@ class UnitEncoder:
 def first_row_problem(cfg, fmt: str, first: dict[str, Any], tokenizer, locate: Callable[[int], str]):
     """A template whose own text the tokenizer does not have, judged on the split's first row (chat.markers_problem);
     None when it has it, or for text."""
-    if fmt == "text" or chat.row_problem(first, fmt) is not None or (turns := chat.conversation(first, fmt)) is None:
+    if fmt == "preference":
+        if pairs.row_problem(first) is not None or (messages := pairs.first_messages(first)) is None:
+            return None
+    elif fmt == "text" or chat.row_problem(first, fmt) is not None or (turns := chat.conversation(first, fmt)) is None:
         return None
+    else:
+        messages = turns[0]
     template = chat.template_of(cfg, tokenizer)
-    return chat.markers_problem(cfg, locate(first[chat.ROW]), turns[0], template, tokenizer)
+    return chat.markers_problem(cfg, locate(first[chat.ROW]), messages, template, tokenizer)
 
 
 def report(counts: dict[str, int], what: str, cfg) -> None:
@@ -132,7 +172,14 @@ def report(counts: dict[str, int], what: str, cfg) -> None:
             f"skipped {counts['empty']:,} of {counts['rows']:,} {what} rows whose '{cfg.text_field}' is empty or null"
         )
     cut, dropped = counts.get("truncated", 0), counts.get("too_long", 0)
-    if cut or dropped:
+    if "pairs" in counts and (cut or dropped):
+        log.warning(
+            f"{cut + dropped:,} of {counts['rows']:,} preference pairs are longer than data.seq_length="
+            f"{cfg.seq_length}{' (both answers of a pair packed into one block)' if cfg.packing else ''}: {cut:,} "
+            f"truncated from the end of the longer answer, {dropped:,} dropped (less than "
+            f"{pairs.MIN_ANSWER_KEPT:.0%} of an answer would fit)"
+        )
+    elif cut or dropped:
         log.warning(
             f"{cut + dropped:,} of {counts['rows']:,} conversations are longer than data.seq_length={cfg.seq_length}: "
             f"{cut:,} truncated at a turn boundary, {dropped:,} dropped (not even their first target turn fits)"

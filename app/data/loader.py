@@ -86,6 +86,38 @@ class PackedCollator:
         )
 
 
+class PairCollator:
+    """collate_fn for preference pairs (app.data.store's pair_blocks and pair_rows): packed blocks as PackedCollator
+    makes them, or each pair's two rows one after the other (chosen, rejected, chosen, ...); and `sequences`, each
+    token's answer numbered across the micro-batch, 2k the chosen and 2k + 1 the rejected answer of its k-th pair
+    (-1 on padding), for the loop's per-answer sums; `reference`, the stored reference log-probabilities of those
+    answers in the same order, when the split carries them."""
+
+    def __init__(self, eos_id: int, packed: bool):
+        self.eos_id, self.packed = eos_id, packed
+
+    def __call__(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        if self.packed:
+            documents = torch.stack([r["documents"] for r in rows])
+            starts = torch.stack([r["position_ids"] for r in rows]) == 0
+            batch = packed_batch(
+                torch.stack([r["input_ids"] for r in rows]),
+                torch.stack([r["labels"] for r in rows]),
+                self.eos_id,
+                starts,
+            )
+            per_row = documents.max(dim=1).values + 1  # each block's answers: whole pairs, so an even count
+            offsets = per_row.cumsum(0) - per_row
+            batch["sequences"] = torch.where(documents >= 0, documents + offsets[:, None], -1)
+        else:
+            batch = {key: torch.cat([r[key] for r in rows]) for key in ("input_ids", "attention_mask", "labels")}
+            documents = torch.cat([r["documents"] for r in rows])
+            batch["sequences"] = torch.where(documents >= 0, torch.arange(len(documents))[:, None], -1)
+        if "reference" in rows[0]:
+            batch["reference"] = torch.cat([r["reference"] for r in rows])
+        return batch
+
+
 def collator(cfg: DataConfig, tokenizer) -> PackedCollator | None:
     """The collate_fn for this data config: None (torch's default) unless packed documents are kept apart."""
     return PackedCollator(tokenizer.eos_token_id) if cfg.packing and cfg.separate_documents else None

@@ -26,7 +26,7 @@ from typing import Any
 
 from app import faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
-from app.data import chat
+from app.data import chat, pairs
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
 from app.data.files import is_local, saved_dataset, split_files, split_names
 from app.data.manifest import MANIFEST, read_manifest, summary
@@ -173,6 +173,9 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model)
     named = bool(cfg.data.datasets)  # a mixture's log lines say which source they are about
     sources = [read_source(d, weight, cfg.train.seed, named) for d, weight in cfg.data.sources()]
+    for source in sources:  # a hub dataset's columns are first seen here
+        if found := pairs.format_problems(source.data, source.fmt, cfg.preference is not None):
+            raise found[0]
     mix(sources, cfg.train.seed)
     tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -353,6 +356,8 @@ def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, 
         done = _on_ray(cfg, name, options, units)
     found = sorted((json.loads(row["result"]) for row in done), key=lambda u: u["unit"])
     totals = {c: sum(u["counts"].get(c, 0) for u in found) for c in COUNTS}
+    if any("pairs" in u["counts"] for u in found):  # preference data: documents come in pairs
+        totals["pairs"] = sum(u["counts"]["pairs"] for u in found)
     report(totals, "training" if name == "train" else "eval", cfg.data)
     return {
         **totals,

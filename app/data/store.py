@@ -10,7 +10,11 @@ What a block becomes (`PreparedSplit[i]`), per layout (app.data.encode.layout_of
 - stream (packed text): input_ids = labels = the block's tokens;
 - blocks (packed conversations): the documents, then padding; position ids restart at 0 at each document (and
   at the padding); labels are the target tokens, except each document's first token and the padding (-100);
-- rows (unpacked): the document, then padding, with attention_mask; labels are its targets, -100 on padding.
+- rows (unpacked): the document, then padding, with attention_mask; labels are its targets, -100 on padding;
+- pair_blocks, pair_rows (preference pairs): as blocks, and as two rows (chosen, rejected) of a pair, with
+  `documents`, each token's document (2k chosen, 2k + 1 rejected answer of the k-th pair; -1 on padding), and
+  `reference`, the reference model's log-probability of each of the block's answers, once a reference pass has
+  stored them (`PreparedSplit.reference`: its folder, laid out as the data's).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import numpy as np
 import torch
 
 from app.data.manifest import MANIFEST, read_manifest
+
+REFERENCE = "reference"  # a unit's reference log-probability of each answer (float32), stored beside the data
 
 
 def unit_path(folder: Path, split: str, unit: int, name: str) -> Path:
@@ -52,6 +58,8 @@ class PreparedSplit(torch.utils.data.Dataset):
         self.positions_everywhere = len(set(self.layouts)) > 1
         self.starts = np.cumsum([0] + [u["blocks"] for u in units], dtype=np.int64)
         self._open: dict[int, dict[str, np.ndarray]] = {}
+        self.split: str | None = None  # its name in a prepared dataset's folder (None: units in memory)
+        self.reference: Path | None = None  # where each answer's reference log-probability is (pairs only)
 
     @classmethod
     def open(cls, folder: Path, split: str) -> PreparedSplit:
@@ -65,7 +73,9 @@ class PreparedSplit(torch.utils.data.Dataset):
             names = units[unit]["arrays"]
             return {n: np.load(unit_path(folder, split, units[unit]["unit"], n), mmap_mode="r") for n in names}
 
-        return cls(manifest["layout"], manifest["seq_length"], manifest["pad_id"], units, load, manifest["eos_id"])
+        opened = cls(manifest["layout"], manifest["seq_length"], manifest["pad_id"], units, load, manifest["eos_id"])
+        opened.split = split
+        return opened
 
     @classmethod
     def in_memory(cls, layout: str, seq_length: int, pad_id: int, arrays: list[dict[str, np.ndarray]], blocks):
@@ -84,11 +94,8 @@ class PreparedSplit(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
-        i %= len(self)
-        unit = int(np.searchsorted(self.starts, i, side="right")) - 1
-        if unit not in self._open:
-            self._open[unit] = self._load(unit)
-        arrays, local, layout = self._open[unit], i - int(self.starts[unit]), self.layouts[unit]
+        unit, local = self.locate(i)
+        arrays, layout = self._arrays(unit), self.layouts[unit]
         if layout == "stream":
             ids = torch.from_numpy(arrays["tokens"][local * self.seq : (local + 1) * self.seq].astype(np.int64))
             block = {"input_ids": ids, "labels": ids.clone()}
@@ -100,7 +107,45 @@ class PreparedSplit(torch.utils.data.Dataset):
             return block
         if layout == "blocks":
             return self._block(arrays, local)
+        if layout == "pair_blocks":
+            return self._pair_block(arrays, local)
+        if layout == "pair_rows":
+            return self._pair_rows(arrays, local)
         return self._row(arrays, local)
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(the unit, the block's index in it) of block i."""
+        i %= len(self)
+        unit = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return unit, i - int(self.starts[unit])
+
+    def _arrays(self, unit: int) -> dict[str, np.ndarray]:
+        if unit not in self._open:
+            self._open[unit] = self._load(unit)
+            if self.reference is not None:
+                path = unit_path(self.reference, self.split, self.units[unit]["unit"], REFERENCE)
+                self._open[unit] = {**self._open[unit], REFERENCE: np.load(path, mmap_mode="r")}
+        return self._open[unit]
+
+    def use_reference(self, folder: Path | None) -> None:
+        """Blocks read from now on carry the reference log-probabilities stored in `folder`."""
+        self.reference, self._open = folder, {}
+
+    def document_count(self, unit: int) -> int:
+        return len(self._arrays(unit)["docs"]) - 1
+
+    def documents_of(self, i: int) -> tuple[int, int, int]:
+        """(unit, first document, end) of a pair layout's block i: its answers, in order."""
+        unit, local = self.locate(i)
+        if self.layouts[unit] == "pair_rows":
+            return unit, 2 * local, 2 * local + 2
+        blocks = self._arrays(unit)["blocks"]
+        return unit, int(blocks[local]), int(blocks[local + 1])
+
+    def _with_reference(self, item: dict[str, torch.Tensor], arrays, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        if REFERENCE in arrays:
+            item[REFERENCE] = torch.from_numpy(np.array(arrays[REFERENCE][lo:hi], dtype=np.float32))
+        return item
 
     def _document(self, arrays, d: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = int(arrays["docs"][d]), int(arrays["docs"][d + 1])
@@ -124,6 +169,24 @@ class PreparedSplit(torch.utils.data.Dataset):
             "labels": torch.from_numpy(np.concatenate(labels).astype(np.int64)),
             "position_ids": torch.from_numpy(np.concatenate(positions).astype(np.int64)),
         }
+
+    def _pair_block(self, arrays, b: int) -> dict[str, torch.Tensor]:
+        """A block of whole pairs, with `documents`: each token's document in the block (2k the chosen answer of
+        its k-th pair, 2k + 1 the rejected one; -1 on padding)."""
+        block = self._block(arrays, b)
+        lo, hi = int(arrays["blocks"][b]), int(arrays["blocks"][b + 1])
+        lengths = np.diff(arrays["docs"][lo : hi + 1])
+        documents = np.full(self.seq, -1, dtype=np.int64)
+        documents[: int(lengths.sum())] = np.repeat(np.arange(hi - lo), lengths)
+        return self._with_reference({**block, "documents": torch.from_numpy(documents)}, arrays, lo, hi)
+
+    def _pair_rows(self, arrays, p: int) -> dict[str, torch.Tensor]:
+        """Pair p unpacked: its chosen and rejected answers as two padded rows, and `documents` (0, 1; -1 on
+        padding)."""
+        rows = [self._row(arrays, 2 * p), self._row(arrays, 2 * p + 1)]
+        out = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+        out["documents"] = torch.where(out["attention_mask"] == 1, torch.arange(2)[:, None], -1)
+        return self._with_reference(out, arrays, 2 * p, 2 * p + 2)
 
     def _row(self, arrays, r: int) -> dict[str, torch.Tensor]:
         doc, targets = self._document(arrays, r)
