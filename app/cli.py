@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import yaml
+
 from app import config as config_mod
 from app import logs, ops, preemption
 from app.config import ConfigError, Problem
@@ -66,6 +68,37 @@ def _add_validate(sub) -> None:
     _add_accept_changed(p)
     p.add_argument("--online", action="store_true", help="allow downloading the model config to check it")
     p.add_argument("--ds-config-only", action="store_true", help="print only the DeepSpeed config JSON")
+    p.add_argument(
+        "--gpus",
+        type=_positive,
+        metavar="N",
+        help="choose the auto settings (ZeRO stage, pure bf16, checkpointing, micro-batch) and predict each GPU's "
+        "memory for N GPU workers: --set scaling.num_workers=N (default: the config's)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=_memory_size,
+        metavar="SIZE",
+        help="for GPUs of this memory, e.g. 80GiB (H100) or 140GiB (H200; G and GiB binary, GB decimal): "
+        "--set scaling.gpu_memory=SIZE (default: the config's). A config that would not fit exits "
+        f"{Exit.INVALID} with the figures",
+    )
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs (a whole number >= 1)")
+    return int(text)
+
+
+def _memory_size(text: str) -> str:
+    from app.resolve import parse_memory
+
+    try:
+        parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _add_prepare(sub) -> None:
@@ -212,18 +245,31 @@ def _absolute(cfg: config_mod.TrainingConfig) -> config_mod.TrainingConfig:
 
 
 def cmd_validate(args) -> Exit:
-    from app import driver, preflight
+    from app import autoset, driver, preflight
 
-    cfg, ds, note = driver.prepare(_load(args), offline=not args.online, accepted=tuple(args.accepted))
-    if note:
-        print(f"note: {note}", file=sys.stderr)
+    hardware = [f"scaling.num_workers={args.gpus}"] if args.gpus else []
+    hardware += [f"scaling.gpu_memory={args.gpu_memory}"] if args.gpu_memory else []
+    args.overrides = [*args.overrides, *hardware]  # what train reads: the printed configs then agree with them
+    loaded = _load(args)
+    if hardware and not loaded.scaling.use_gpu:
+        flags = " ".join(f"--{f}" for f, v in (("gpus", args.gpus), ("gpu-memory", args.gpu_memory)) if v)
+        raise Problem(
+            flags, " ".join(hardware), "the config trains on CPU workers (scaling.use_gpu: false)", "leave it out"
+        )
+    cfg, ds, note, auto = driver.prepare(loaded, offline=not args.online, accepted=tuple(args.accepted))
+    for line in (auto.note, note):
+        if line:
+            print(f"note: {line}", file=sys.stderr)
     for problem in preflight.resource_problems(cfg):  # validate may check a config meant for a cluster
         print(f"note: `finetune train` on this machine (no RAY_ADDRESS) would refuse: {problem}", file=sys.stderr)
-    if not args.ds_config_only:
-        print("# training config (resolved)")
-        print(config_mod.to_yaml(cfg), end="")
+    shown = [f"# {line}" for line in auto.lines]
+    if args.ds_config_only:  # the JSON alone on standard output
+        print("\n".join(shown), file=sys.stderr)
+    else:
+        print("\n".join([*shown, "# training config (resolved)"]))
+        print(yaml.safe_dump(autoset.shown_config(cfg, auto), sort_keys=False), end="")
         print("# deepspeed config")
-    print(json.dumps(ds, indent=2))
+    print(json.dumps(autoset.shown_ds(ds, auto), indent=2))
     return Exit.OK
 
 
@@ -243,7 +289,7 @@ def cmd_prepare(args) -> Exit:
 def cmd_train(args) -> Exit:
     from app import driver
 
-    cfg, ds, note = driver.prepare(_load(args), offline=False, with_ray=True, accepted=tuple(args.accepted))
+    cfg, ds, note, auto = driver.prepare(_load(args), offline=False, with_ray=True, accepted=tuple(args.accepted))
     if note:
         raise ConfigError(
             [
@@ -257,7 +303,7 @@ def cmd_train(args) -> Exit:
         )
     banner = f"experiment: {cfg.experiment.name}   (deploy again with this name to resume)"
     print("=" * len(banner), banner, f"storage:    {cfg.experiment_dir}", "=" * len(banner), sep="\n")
-    print(summary(cfg, ds), flush=True)
+    print(summary(cfg, ds), *auto.lines, sep="\n", flush=True)  # what auto chose, and why
     try:
         finished = driver.finished_checkpoint(cfg)
         if finished:
@@ -352,6 +398,9 @@ def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     """The resolved config in two lines: what trains on what, and how."""
     t, s = cfg.train, cfg.scaling
     steps = f"{t.max_steps_per_epoch} steps" if t.max_steps_per_epoch else "all batches"
+    # The numerics change with pure bf16 (no fp32 master weights): said where every run's settings are.
+    precision = "pure bf16 (bf16 master weights)" if t.pure_bf16 is True else t.precision
+    precision += ", activation checkpointing" if cfg.model.gradient_checkpointing is True else ""
     zero = ds.get("zero_optimization", {}).get("stage", 0)
     d = cfg.data
     if d.datasets:
@@ -363,7 +412,7 @@ def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     return (
         f"model: {cfg.model.name_or_path}   data: {what}{d.seq_length} tokens/sequence)\n"
         f"train: {t.epochs} epoch(s) x {steps}, {s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, ZeRO-{zero}, "
-        f"{t.precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
+        f"{precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
         f"{ds.get('gradient_accumulation_steps')}, lr {t.learning_rate:g} ({t.lr_scheduler})"
     )
 

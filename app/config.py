@@ -29,9 +29,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from app.ds_block import RULE, DeepSpeedConfig, tutorial_ds_config
+from app.ds_block import RULE, DeepSpeedConfig, one_error, tutorial_ds_config
 from app.errors import ConfigError, Problem
 from app.preference import PreferenceConfig
+from app.resolve import parse_memory
 
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_EXPERIMENT_NAME = 40  # leaves room for "-head-xxxxx"-style suffixes in a 47-char RayJob name
@@ -41,6 +42,11 @@ MAX_STEPS = 10**9
 MAX_BATCH = 65_536
 MAX_SEQ_LENGTH = 1 << 20
 MAX_WORKERS = 65_536
+# The settings app/resolve.py chooses when they are "auto" (app/autoset.py applies its choice before any cluster).
+AUTO_FIX = "write true, false or auto (chosen from the GPUs, the model and the method; docs/training.md)"
+# scaling.gpu_memory as app.resolve.parse_memory reads it, for helm: 80GiB, 141G, 80GB, or a number of bytes.
+MEMORY_PATTERN = r"^ *[0-9]+([.][0-9]*)? *([KkMmGgTt]([Ii]?[Bb])?)? *$"
+AutoSwitch = Annotated[bool | Literal["auto"], one_error("must be true, false or auto", AUTO_FIX)]
 
 
 class Section(BaseModel):
@@ -136,7 +142,12 @@ class ModelConfig(Section):
         "where transformers has none (Gemma 2, gpt-oss); packed documents kept apart take variable-length "
         "FlashAttention on GPUs instead.",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: AutoSwitch = Field(
+        "auto",
+        description="Recompute each decoder layer's activations in backward instead of keeping them: less memory, "
+        "about a third more compute. auto: on when the activations of the micro-batch would not fit the GPUs' "
+        "memory (app/resolve.py's memory model; the choice and its reason are logged); off on CPUs.",
+    )
     dropout: float | None = Field(
         None, ge=0, le=1, description="Override every dropout probability of the model config (null: keep)."
     )
@@ -310,7 +321,15 @@ class TrainConfig(Section):
         30, ge=1, le=MAX_STEPS, description="Optimizer steps per epoch (the tutorial's 30); null: the whole epoch."
     )
     max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Total optimizer steps; null: all epochs.")
-    micro_batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Sequences per worker per forward pass.")
+    micro_batch_size: Annotated[
+        Annotated[int, Field(ge=1, le=MAX_BATCH)] | Literal["auto"],
+        one_error(f"must be a whole number from 1 to {MAX_BATCH}, or auto", "write e.g. 4, or auto", exact_int=True),
+    ] = Field(
+        1,
+        description="Sequences per worker per forward pass. auto: the largest power of two (up to 32,768 tokens a "
+        "micro-batch) that fits the GPUs' memory, preferring activation checkpointing with a larger micro-batch "
+        "to a micro-batch under 8,192 tokens without it; 1 on CPUs.",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_BATCH, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(1e-6, gt=0, le=1, description="Peak learning rate (above 1 is never meant).")
     weight_decay: float = Field(0.0, ge=0)
@@ -330,13 +349,16 @@ class TrainConfig(Section):
         "fp16 only the loss counts.",
     )
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Fills deepspeed bf16/fp16 'auto'.")
-    pure_bf16: bool = Field(
-        False,
+    pure_bf16: AutoSwitch = Field(
+        "auto",
         description="Weights, gradients and AdamW states all in bf16, no fp32 master copy (needs precision bf16; "
         "under ZeRO 1-3 DeepSpeed's bf16_master_weights_and_grads and bf16_optimizer_states, at stage 0 DeepSpeed's "
         "mixed precision off and torch's AdamW stepping the bf16 model, the fastest on one GPU): 6 bytes less per "
         "trained parameter and less optimizer traffic, but an update smaller than bf16's resolution of its weight "
-        "(about 1/256 of it) is lost, where the fp32 master copy keeps it. A numerics choice: compare losses.",
+        "(about 1/256 of it) is lost, where the fp32 master copy keeps it. A numerics choice: compare losses. "
+        "auto: true on GPUs with precision bf16 and a learning rate of at least 1e-5 (the fastest measured), else "
+        "false unless only pure bf16 fits the GPUs' memory; false on CPUs; a resumed experiment keeps the choice "
+        "its checkpoints were trained with.",
     )
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Seeds model init, data order and dropout on every rank.")
     log_every_steps: int = Field(
@@ -372,6 +394,15 @@ class ScalingConfig(Section):
     num_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Ray Train workers (one per GPU when use_gpu).")
     use_gpu: bool = Field(True, description="One GPU per worker, NCCL; false: CPU workers, gloo, DS_ACCELERATOR=cpu.")
     cpus_per_worker: float = Field(1, gt=0, le=1024, description="CPUs Ray reserves for each worker.")
+    gpu_memory: str | None = Field(
+        None,
+        json_schema_extra={"pattern": MEMORY_PATTERN},
+        description="Memory of each worker's GPU as nvidia-smi counts it, e.g. 80GiB (H100), 140GiB (H200: "
+        "143771MiB); G and GiB are binary, GB decimal. What the auto settings (ZeRO stage, pure bf16, "
+        "checkpointing, micro-batch) are chosen for. null: the GPU visible to the driver when the run starts its "
+        "own Ray cluster, else the memory of the joined cluster's GPU type (Ray's accelerator_type); a GPU run "
+        "with auto settings and neither is refused. The chart sets it from workers.<group>.gpuMemory.",
+    )
     max_failures: int = Field(
         0,
         ge=-1,
@@ -395,6 +426,16 @@ class ScalingConfig(Section):
         "before the run fails: torch's process-group timeout (NCCL's and gloo's default, 30 minutes). No worker "
         "waits in one for data: it is prepared before they start.",
     )
+
+    @field_validator("gpu_memory")
+    @classmethod
+    def _memory_size(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                parse_memory(v)
+            except ValueError:
+                raise ValueError("is not a GPU's memory size (a number and a unit, at least 1 MiB)") from None
+        return v
 
 
 MLFLOW_SCHEMES = ("http", "https", "file", "databricks")
@@ -726,6 +767,8 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     }.get(err["type"], "see the field's description in docs/configuration.md")
     if loc and loc[-1] == "name":
         fix = "rename it, e.g. 'gpt2-agnews-1'"
+    if loc == ["scaling", "gpu_memory"]:
+        fix = "write each GPU's memory, e.g. 80GiB (H100) or 140GiB (H200), or null to take it from the cluster"
     if loc == ["tracking", "mlflow", "uri"]:
         fix = (
             "write the server's URL, e.g. http://mlflow.mlops:5000; credentials go in MLFLOW_TRACKING_TOKEN or "
@@ -772,6 +815,36 @@ def resolve(cfg: TrainingConfig) -> TrainingConfig:
     if mlflow.experiment is None:
         mlflow.experiment = cfg.experiment.name
     return cfg
+
+
+# The settings app/autoset.py chooses when they are "auto", and the values they had before "auto" existed: what CPU
+# workers take, and what a config that never went through app.autoset (a test's, a benchmark peer's) is built and
+# trained with (`stand_ins`).
+AUTO_FIELDS = ("deepspeed.zero_optimization.stage", "train.pure_bf16", "model.gradient_checkpointing")
+AUTO_FIELDS += ("train.micro_batch_size",)
+BEFORE_AUTO = dict(zip(AUTO_FIELDS, (3, False, False, 1)))
+
+
+def value_at(cfg: TrainingConfig, path: str) -> Any:
+    node: Any = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def with_values(cfg: TrainingConfig, values: dict[str, Any]) -> TrainingConfig:
+    """A copy of `cfg` with each dotted path set (each section validates its assignment)."""
+    out = cfg.model_copy(deep=True)
+    for path, new in values.items():
+        *parents, leaf = path.split(".")
+        setattr(value_at(out, ".".join(parents)) if parents else out, leaf, new)
+    return out
+
+
+def stand_ins(cfg: TrainingConfig) -> TrainingConfig:
+    """`cfg`, or a copy with BEFORE_AUTO where a setting is still "auto"."""
+    left = {path: BEFORE_AUTO[path] for path in AUTO_FIELDS if value_at(cfg, path) == "auto"}
+    return with_values(cfg, left) if left else cfg
 
 
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainingConfig:

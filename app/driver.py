@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from app import contract, ds_config, logs, preemption, preflight
-from app.config import ConfigError, Problem, TrainingConfig
+from app import autoset, contract, ds_config, logs, preemption, preflight
+from app.config import ConfigError, Problem, TrainingConfig, stand_ins
 from app.lease import Lease
 from app.model import model_facts
 
@@ -45,21 +45,36 @@ PASSTHROUGH_PREFIXES = (
 SECRET_NAME = re.compile(r"(^|_)(TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIALS?)(_|$)", re.IGNORECASE)
 
 
+class Prepared(NamedTuple):
+    config: TrainingConfig
+    ds: dict[str, Any]
+    note: str | None
+    auto: autoset.Settled  # what the auto settings became and why
+
+
 def prepare(
     cfg: TrainingConfig, offline: bool = True, with_ray: bool = False, accepted: tuple[str, ...] = ()
-) -> tuple[TrainingConfig, dict[str, Any], str | None]:
-    """The config this run uses (the resume plan applied first: a changed number of workers may change gradient
-    accumulation), its DeepSpeed config and a note; raises ConfigError with every problem found. `with_ray`
-    (`finetune train`): Ray starts while the model config is checked (see `check`)."""
+) -> Prepared:
+    """The config this run uses, its DeepSpeed config and a note; raises ConfigError with every problem found.
+    First the auto settings are chosen (app.autoset: `finetune train` asks the cluster for its GPUs' memory where
+    scaling.gpu_memory does not say it, and refuses when neither can), then the resume plan applies (a changed
+    number of workers may change gradient accumulation) and the contract compares, both on the chosen values.
+    `with_ray` (`finetune train`): Ray starts while the model config is checked (see `check`)."""
     from app.checkpoint import ResumePlan
 
+    # Unknown GPU memory refuses `train`, unless its local cluster could not run on GPUs anyway (the checks say so).
+    gpus_here = bool(os.environ.get("RAY_ADDRESS")) or not cfg.scaling.use_gpu or preflight.local_gpus() > 0
+    hardware = autoset.Hardware(detect=lambda: cluster_gpu_memory(cfg), strict=gpus_here) if with_ray else None
+    settled = autoset.settle(cfg, offline, accepted, hardware)
+    cfg = settled.config
     plan = ResumePlan.read(cfg)
     cfg = plan.apply(cfg)
     if plan.note:
         log.warning(plan.note)
     meanwhile = (lambda: _start_ray_unless_finished(cfg)) if with_ray else None
-    ds, note = check(cfg, offline, list(plan.problems) + contract.plan(cfg, accepted), meanwhile=meanwhile)
-    return cfg, ds, note
+    before = settled.problems + list(plan.problems) + contract.plan(cfg, accepted)
+    ds, note = check(cfg, offline, before, meanwhile=meanwhile, model=settled.model)
+    return Prepared(cfg, ds, note, settled)
 
 
 def _start_ray_unless_finished(cfg: TrainingConfig) -> None:
@@ -73,14 +88,21 @@ def check(
     offline: bool = True,
     problems: list[Problem] | None = None,
     meanwhile: Callable[[], None] | None = None,
+    model: tuple[Any, list[Problem], str | None] | None = None,
 ) -> tuple[dict[str, Any], str | None]:
     """Every check that can run before the workers start (`preflight.problems`: one pass, each check once), after
-    `problems` already found; raises ConfigError with all of them. Reads `cfg`, never changes it. `meanwhile`
+    `problems` already found; raises ConfigError with all of them. Reads `cfg`, never changes it: a config whose
+    auto settings are not chosen yet (`prepare` chooses them) is checked with what app.autoset chooses without
+    asking the cluster (CPU workers' fixed values, scaling.gpu_memory's choice, else stand-ins). `meanwhile`
     (starting Ray) runs once every check has passed, while the model is counted on the meta device in a thread (the
     layer sizes of the "auto" ZeRO-3 values): that imports transformers' modelling code, seconds of the start-up
-    that then overlap Ray's (docs/benchmarks.md, "Start-up"). An invalid config never starts Ray."""
+    that then overlap Ray's (docs/benchmarks.md, "Start-up"). An invalid config never starts Ray. `model`: the
+    model config as app.autoset read it."""
+    if autoset.auto_fields(cfg):
+        settled = autoset.settle(cfg, offline)
+        cfg, problems, model = settled.config, [*(problems or []), *settled.problems], settled.model
     # `finetune train` (meanwhile): a local cluster starts here unless RAY_ADDRESS names one
-    found = preflight.problems(cfg, offline, local_cluster=meanwhile is not None, before=problems or [])
+    found = preflight.problems(cfg, offline, local_cluster=meanwhile is not None, before=problems or [], model=model)
     if found.problems:
         raise ConfigError(found.problems)
     mc, note = found.model_config, found.note
@@ -174,6 +196,44 @@ def start_ray(cfg: TrainingConfig) -> None:
     logs.after_ray_init()
     _create_autoscaling_coordinator()
     _ray_marks["ray_started"] = time.time()
+
+
+def cluster_gpu_memory(cfg: TrainingConfig) -> tuple[int, str] | None:
+    """Each training worker's GPU memory as `finetune train` learns it where scaling.gpu_memory does not say it, and
+    where it came from; None when it cannot tell. A run that starts its own Ray cluster gets this machine's GPUs: the
+    smallest that torch sees (it counts CUDA_VISIBLE_DEVICES, as Ray does). A run that joins a cluster (RAY_ADDRESS)
+    connects to it, which starts nothing, and reads its GPU nodes' type (Ray's accelerator_type) against the sizes
+    app.autoset knows, waiting for a GPU node up to scaling.placement_timeout_s, as the workers would."""
+    if not os.environ.get("RAY_ADDRESS"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+        name = torch.cuda.get_device_name(0)
+        return min(sizes), f"the {name} this machine's workers get"
+    import ray
+
+    start_ray(cfg)
+    deadline = time.monotonic() + cfg.scaling.placement_timeout_s
+    types = gpu_node_types(ray.nodes())
+    if not types:
+        log.info("waiting for the cluster's GPU nodes: their type tells the auto settings each GPU's memory")
+    while not types and time.monotonic() < deadline:
+        time.sleep(5)
+        types = gpu_node_types(ray.nodes())
+    return autoset.memory_of_types(types) if types else None
+
+
+def gpu_node_types(nodes: list[dict[str, Any]]) -> list[str]:
+    """The accelerator type of each live node with GPUs (ray.nodes()); "?" for a GPU node without one."""
+    out = []
+    for node in nodes:
+        resources = node.get("Resources") or {}
+        if node.get("Alive") and resources.get("GPU"):
+            kinds = [key.split(":", 1)[1] for key in resources if key.startswith("accelerator_type:")]
+            out.append(kinds[0] if kinds else "?")
+    return out
 
 
 def _create_autoscaling_coordinator() -> None:
@@ -342,6 +402,7 @@ def failure_fix(cause: BaseException, max_failures: int, cfg: TrainingConfig | N
 def memory_levers(cfg: TrainingConfig | None) -> list[str]:
     """What a run that ran out of GPU memory can still change, in the order to try, leaving out what its config
     already has: a smaller micro-batch, activation checkpointing, shorter sequences, then offload."""
+    cfg = stand_ins(cfg) if cfg else None  # a run's settings are chosen; a config that never was, as before auto
     t = cfg.train if cfg else None
     levers = []
     if t is None or t.micro_batch_size > 1:

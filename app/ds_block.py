@@ -38,7 +38,7 @@ def rule(message: str, fix: str, field: str = "", value: Any = None) -> Pydantic
     )
 
 
-def _one_error(message: str, fix: str, exact_int: bool = False):
+def one_error(message: str, fix: str, exact_int: bool = False):
     """One clear error for a union/literal type instead of one per branch; ints must be ints, not bools or 3.0."""
 
     def validate(value: Any, handler):
@@ -53,18 +53,19 @@ def _one_error(message: str, fix: str, exact_int: bool = False):
 
 
 Auto = Literal["auto"]
-ZeroStage = Annotated[Literal[0, 1, 2, 3], _one_error("ZeRO stage must be 0, 1, 2 or 3", "set 0-3", exact_int=True)]
+ZeroStage = Annotated[
+    Literal[0, 1, 2, 3, "auto"],
+    one_error("ZeRO stage must be 0, 1, 2, 3 or auto", "set 0-3, or auto", exact_int=True),
+]
 AutoBool = Annotated[
-    Annotated[bool, Field(strict=True)] | Auto, _one_error("must be true, false or 'auto'", "use 'auto'")
+    Annotated[bool, Field(strict=True)] | Auto, one_error("must be true, false or 'auto'", "use 'auto'")
 ]
 AutoCount = Annotated[
     Auto | Annotated[int, Field(ge=1, strict=True)],
-    _one_error("must be a whole number >= 1 or 'auto'", "use 'auto'", exact_int=True),
+    one_error("must be a whole number >= 1 or 'auto'", "use 'auto'", exact_int=True),
 ]
-AutoNumber = Annotated[
-    Auto | Annotated[float, Field(ge=0)], _one_error("must be a number >= 0 or 'auto'", "use 'auto'")
-]
-Names = Annotated[list[str] | str, _one_error("must be a list of names", LEAF_FIX)]
+AutoNumber = Annotated[Auto | Annotated[float, Field(ge=0)], one_error("must be a number >= 0 or 'auto'", "use 'auto'")]
+Names = Annotated[list[str] | str, one_error("must be a list of names", LEAF_FIX)]
 
 
 class Block(BaseModel):
@@ -106,7 +107,7 @@ class LeafModule(Block):
     """ZeRO-3 leaf modules, fetched whole; classes 'auto': the model's decoder layer (`app.model.model_facts`)."""
 
     model_config = ConfigDict(extra="forbid")  # DeepSpeed knows these three only
-    classes: Annotated[Auto | list[str] | str | None, _one_error("must be 'auto' or a list of names", LEAF_FIX)] = None
+    classes: Annotated[Auto | list[str] | str | None, one_error("must be 'auto' or a list of names", LEAF_FIX)] = None
     names: Annotated[Names | None, Field(json_schema_extra={"not": {"const": AUTO}})] = None
     name_suffixes: Annotated[Names | None, Field(json_schema_extra={"not": {"const": AUTO}})] = None
 
@@ -121,7 +122,14 @@ class LeafModule(Block):
 
 
 class ZeroOptimization(Block):
-    stage: ZeroStage = 0
+    stage: ZeroStage = Field(
+        0,
+        description="ZeRO stage: 0 keeps a whole copy of weights, gradients and optimizer states on each GPU, 1 "
+        "partitions the optimizer states over the GPUs, 2 the gradients too, 3 the weights too. auto (the app's "
+        "default): chosen before any cluster starts from the GPUs, their memory, the model, LoRA or full and "
+        "seq_length (0 on one GPU; 2 or 3 for full fine-tuning on several; 0 or 3 for LoRA), the reason logged; "
+        "3 on CPU workers; offload_param makes it 3, offload_optimizer 2 or 3.",
+    )
     offload_param: Offload | None = None
     offload_optimizer: Offload | None = None
     leaf_module: LeafModule | None = None
@@ -130,6 +138,8 @@ class ZeroOptimization(Block):
 
     @model_validator(mode="after")
     def _offload_needs_stage(self) -> ZeroOptimization:
+        if self.stage == AUTO:  # chosen to suit the offload (app.resolve)
+            return self
         if self.offload_param and self.offload_param.on and self.stage < 3:
             raise rule(
                 f"parameter offload needs ZeRO stage 3, the stage is {self.stage}",
@@ -210,7 +220,8 @@ class DeepSpeedConfig(Block):
         return section.enabled if section else False
 
     @property
-    def zero_stage(self) -> int:
+    def zero_stage(self) -> int | str:
+        """0-3, or "auto" before app.autoset has chosen it (never after)."""
         return self.zero_optimization.stage
 
     @property
@@ -223,9 +234,10 @@ class DeepSpeedConfig(Block):
 
     @property
     def auto_leaf_classes(self) -> bool:
-        """ZeRO-3 with `leaf_module.classes: auto`: the model's decoder layer is fetched whole."""
+        """ZeRO-3 (or a stage not chosen yet) with `leaf_module.classes: auto`: the model's decoder layer is fetched
+        whole."""
         leaf = self.zero_optimization.leaf_module
-        return self.zero3 and leaf is not None and leaf.classes == AUTO
+        return self.zero_stage in (3, AUTO) and leaf is not None and leaf.classes == AUTO
 
 
 def tutorial_ds_config() -> dict[str, Any]:
@@ -239,7 +251,8 @@ def tutorial_ds_config() -> dict[str, Any]:
         "fp16": {"enabled": AUTO},
         "grad_accum_dtype": "bf16",
         "zero_optimization": {
-            "stage": 3,
+            # Not the tutorial's 3: chosen from the GPUs, the model and the method (app/resolve.py).
+            "stage": AUTO,
             "overlap_comm": True,
             "contiguous_gradients": True,
             "reduce_bucket_size": AUTO,
@@ -254,8 +267,8 @@ def tutorial_ds_config() -> dict[str, Any]:
 
 
 def zero_schema_rules() -> list[dict[str, Any]]:
-    """ZeroOptimization's offload rule as JSON schema. A missing stage means the tutorial's (3): the chart's
-    values hold the user's block before `parse` merges it over the tutorial's."""
+    """ZeroOptimization's offload rule as JSON schema. A missing stage means the app's default ("auto", which
+    suits the offload): the chart's values hold the user's block before `parse` merges it over the app's."""
     tutorial_stage = tutorial_ds_config()["zero_optimization"]["stage"]
 
     def offloaded(key: str) -> dict[str, Any]:
@@ -265,6 +278,7 @@ def zero_schema_rules() -> list[dict[str, Any]]:
         }
 
     def stage(allowed: list[int]) -> dict[str, Any]:
+        allowed = [*allowed, AUTO]
         out: dict[str, Any] = {"properties": {"stage": {"enum": allowed}}}
         return out if tutorial_stage in allowed else {**out, "required": ["stage"]}
 

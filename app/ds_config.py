@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.config import TrainingConfig
+from app.config import TrainingConfig, stand_ins
 from app.ds_block import AUTO
 from app.errors import ConfigError, Problem
 
@@ -21,7 +21,9 @@ from app.errors import ConfigError, Problem
 
 
 def check(cfg: TrainingConfig, world_size: int | None = None) -> list[Problem]:
-    """Problems of the block against the other sections: precision, batch sizes and the number of workers."""
+    """Problems of the block against the other sections: precision, batch sizes and the number of workers (of the
+    settings app.autoset chose; where one is still auto, of its stand-in)."""
+    cfg = stand_ins(cfg)
     return _check_precision(cfg) + _check_batch(cfg, world_size or cfg.scaling.num_workers)
 
 
@@ -41,7 +43,7 @@ def _check_precision(cfg: TrainingConfig) -> list[Problem]:
 
 
 def _check_pure_bf16(cfg: TrainingConfig) -> list[Problem]:
-    if cfg.train.pure_bf16 and cfg.train.precision != "bf16":
+    if cfg.train.pure_bf16 is True and cfg.train.precision != "bf16":
         return [
             Problem(
                 "train.pure_bf16",
@@ -58,7 +60,7 @@ def plain_bf16(cfg: TrainingConfig) -> bool:
     0) and the model, cast to bf16, is updated directly by the client AdamW, which also clips: the step plain
     PyTorch takes, with DeepSpeed's engine (gradient averaging, checkpoints) around it. Under ZeRO 1-3 DeepSpeed's
     own bf16_master_weights_and_grads and bf16_optimizer_states do it instead."""
-    return cfg.train.pure_bf16 and cfg.deepspeed.zero_stage == 0
+    return cfg.train.pure_bf16 is True and cfg.deepspeed.zero_stage == 0
 
 
 def global_batch(micro_batch_size: int, accumulation: int, world: int) -> int:
@@ -144,7 +146,9 @@ def build(
     """The final DeepSpeed config: the user's block with every "auto" filled. `hidden_size`, `layer_classes`
     and `layer_params` come from the model config (`app.model.model_facts`); None when it cannot be read yet (validate
     offline), and then the values derived from them stay "auto" until the run starts. For a config `check` passed:
-    app.preflight runs it once, before this."""
+    app.preflight runs it once, before this. Settings left to auto (a config that never went through app.autoset)
+    are built as they were before auto existed (config.BEFORE_AUTO)."""
+    cfg = stand_ins(cfg)  # a run's config has its auto settings chosen (app.autoset); a test's may not
     t = cfg.train
     world = world_size or cfg.scaling.num_workers
     ds = cfg.deepspeed.to_dict()

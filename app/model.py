@@ -231,7 +231,7 @@ def load_model(
         _apply_liger(model, required=cfg.liger_kernels is True)
     if cfg.fp8:
         _apply_fp8(model, compiled=torch.cuda.is_available(), tokens=tokens)
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing is True:  # "auto" is chosen before a run (app.autoset); left, it means off
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if cfg.lora is not None:
@@ -528,7 +528,7 @@ def build_optimizer(model, cfg: TrainConfig, offloaded: bool, clips: bool = Fals
     if offloaded:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, fp32_optimizer_states=not cfg.pure_bf16, **kwargs)
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, fp32_optimizer_states=cfg.pure_bf16 is not True, **kwargs)
     if torch.cuda.is_available():
         kwargs["fused"] = True  # torch's own fused kernel: no DeepSpeed op build at start
     if clips:

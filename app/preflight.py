@@ -60,6 +60,7 @@ def problems(
     local_cluster: bool = False,
     before: list[Problem] | None = None,
     partial: bool = False,
+    model: tuple[Any, list[Problem], str | None] | None = None,
 ) -> Found:
     """Every check before a run, each once, in this order: the deepspeed block against the other sections, the config
     as plain data, the storage folder, each data source, the model's and the tokenizer's files, the deepspeed block's
@@ -68,7 +69,8 @@ def problems(
     nothing else was found (`before` included: the resume plan's problems), FP8's layers and LoRA's targets on the
     meta-device model. The hub is asked only when `offline` is false. `partial`: `cfg` is what is left of a config
     with invalid keys, their defaults in their place: only the checks of one setting each run, so that no rule
-    between settings blames a default the user never chose."""
+    between settings blames a default the user never chose. `model`: read_model_config's answer where the caller
+    read it already (app.autoset, for the auto settings), so that it is read once."""
     whole = not partial
     found = list(before or []) + (ds_config.check(cfg) if whole else [])
     found += plain_data_problems(cfg) + storage_problems(cfg.experiment.storage_path) + data_problems(cfg)
@@ -77,7 +79,10 @@ def problems(
     if whole and local_cluster:
         found += resource_problems(cfg)
     # A model folder found lacking is not read: model_problems has named what it lacks.
-    mc, unread, note = read_model_config(cfg, offline) if not weights else (None, [], None)
+    if weights:
+        mc, unread, note = None, [], None
+    else:
+        mc, unread, note = model if model is not None else read_model_config(cfg, offline)
     found += unread + (check_seq_length(cfg.data.seq_length, mc) if mc is not None else [])
     if not whole:
         return Found(found, mc, note)

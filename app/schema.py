@@ -26,6 +26,8 @@ CHART_SCHEMA = Path(__file__).resolve().parents[1] / "helm" / "ray-finetune" / "
 CHART_DEFAULTS = CHART_SCHEMA.parent / "templates" / "_app_defaults.tpl"
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# A worker group's gpuMemory: empty, or scaling.gpu_memory's form without spaces (it goes on the entrypoint).
+GPU_MEMORY = r"^$|^[0-9]+([.][0-9]*)?([KkMmGgTt]([Ii]?[Bb])?)?$"
 
 
 def training_schema() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -127,6 +129,11 @@ def _worker_group() -> dict[str, Any]:
                 "numOfHosts": _int(1),
                 "gpus": {**_int(0), "description": "GPUs per pod (requests = limits)."},
                 "gpuResource": {"type": "string", "minLength": 1},
+                "gpuMemory": {
+                    "type": "string",
+                    "pattern": GPU_MEMORY,
+                    "description": "Each GPU's memory (e.g. 80GiB): training.scaling.gpu_memory, unless that is set.",
+                },
             }
         ),
         "One worker group.",

@@ -51,7 +51,7 @@ BAD = {
         "deepspeed.bf16.enabled",
         "both enabled",
     ),
-    "zero stage": (["deepspeed.zero_optimization.stage=5"], "deepspeed.zero_optimization.stage", "0, 1, 2 or 3"),
+    "zero stage": (["deepspeed.zero_optimization.stage=5"], "deepspeed.zero_optimization.stage", "0, 1, 2, 3 or auto"),
     "offload_param below stage 3": (
         ["deepspeed.zero_optimization.stage=2", "deepspeed.zero_optimization.offload_param={device: cpu}"],
         "deepspeed.zero_optimization.offload_param",
@@ -147,7 +147,7 @@ def test_console_script_exit_code_and_single_line(storage, tiny_model):
     result = run_cli("train", *base_args(storage, tiny_model), "--set", "deepspeed.zero_optimization.stage=7")
     assert result.returncode == 2
     assert result.stderr.strip().startswith(
-        "error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2 or 3 (got 7)"
+        "error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2, 3 or auto (got 7)"
     )
     assert "Traceback" not in result.stderr
     assert snapshot(storage) == [("someone-elses-file", (storage / "someone-elses-file").stat().st_mtime)]
@@ -230,6 +230,10 @@ def test_bad_yaml_and_missing_file(tmp_path, capsys):
 
 
 def test_defaults_reproduce_the_tutorial():
+    """Every constant of the tutorial, but the settings chosen from the GPUs (app/autoset.py): without the GPUs'
+    memory they stand in as the tutorial's (ZeRO-3, fp32 master weights, no checkpointing)."""
+    from app import autoset
+
     cfg = parse({})
     assert cfg.model.name_or_path == "gpt2"
     assert (cfg.data.dataset, cfg.data.split, cfg.data.seq_length) == ("ag_news", "train[:1%]", 512)
@@ -237,7 +241,11 @@ def test_defaults_reproduce_the_tutorial():
     assert cfg.train.max_steps_per_epoch == 30 and cfg.train.max_steps is None
     assert (cfg.scaling.num_workers, cfg.scaling.use_gpu) == (2, True)
     assert cfg.experiment.storage_path == "/mnt/cluster_storage/"
-    ds = ds_config.build(cfg, hidden_size=768)
+    assert (cfg.zero_stage, cfg.train.pure_bf16, cfg.model.gradient_checkpointing) == ("auto", "auto", "auto")
+    settled = autoset.settle(cfg)
+    assert settled.standing_in == autoset.FIELDS[:3] and "scaling.gpu_memory is unset" in settled.note
+    ds = ds_config.build(settled.config, hidden_size=768)
+    assert ds_config.build(cfg, hidden_size=768) == ds  # unsettled, built as before auto: with the same stand-ins
     # The tutorial's DeepSpeed config, with its constants in place.
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["train_batch_size"] == 2
     assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
@@ -304,7 +312,7 @@ def test_set_override_parses_yaml_values(tmp_path):
     block = cfg.deepspeed.to_dict()
     assert block["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}  # passed through
     assert block["zero_optimization"]["overlap_comm"] is True  # merged over the tutorial's block
-    assert cfg.deepspeed.optimizer_offloaded and cfg.zero_stage == 3
+    assert cfg.deepspeed.optimizer_offloaded and cfg.zero_stage == "auto"  # app.autoset chooses it (2 or 3)
 
 
 def test_validate_prints_resolved_config_and_ds_json(tiny_model, storage, capsys):
@@ -401,7 +409,8 @@ def test_bad_stage_with_a_checkpoint_of_another_world_size_exits_2(storage, tiny
     for command in ("validate", "train"):
         assert main([command, *base_args(storage, tiny_model), "--set", "deepspeed.zero_optimization.stage=three"]) == 2
         err = capsys.readouterr().err
-        assert "error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2 or 3 (got 'three')" in err, err
+        stage = "error: deepspeed.zero_optimization.stage: ZeRO stage must be 0, 1, 2, 3 or auto (got 'three')"
+        assert stage in err, err
         assert "Traceback" not in err
     assert snapshot(storage) == before
 

@@ -554,7 +554,9 @@ def test_a_worker_group_a_joined_cluster_cannot_place_ends_after_the_bounded_wai
     address = ray.init(num_cpus=2, include_dashboard=False).address_info["gcs_address"]
     try:
         started = time.monotonic()
+        # gpu_memory: the auto settings are chosen for it, without asking this cluster (which has no GPU node).
         sets = {"scaling.use_gpu": True, "scaling.placement_timeout_s": 5, "model.liger_kernels": False}
+        sets["scaling.gpu_memory"] = "80GiB"
         result = run_cli(
             "train",
             *tiny_overrides(tmp_path, "unplaceable", tiny_model, **sets),
