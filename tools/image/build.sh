@@ -14,6 +14,7 @@
 # Needs root (rootful buildah). Installs buildah, skopeo, docker-registry, debootstrap and curl when missing.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/../lib/buildah-storage.sh"
 repo="$(cd "$here/../.." && pwd)"
 cache="${FINETUNE_E2E_CACHE:-$HOME/.cache/finetune-e2e}"
 img="$cache/image"
@@ -63,13 +64,8 @@ key_of() {
 exists() { buildah inspect --type image "$1" >/dev/null 2>&1; }
 
 storage() {
-  mkdir -p "$img/storage" "$img/run" "$img/built"
-  cat > "$img/storage.conf" <<CONF
-[storage]
-driver = "overlay"
-graphroot = "$img/storage"
-runroot = "$img/run"
-CONF
+  mkdir -p "$img/built"
+  storage_conf "$img" overlay
   export CONTAINERS_STORAGE_CONF="$img/storage.conf" BUILDAH_ISOLATION=chroot
 }
 

@@ -8,16 +8,12 @@
 set -euo pipefail
 work="${1:?usage: images.sh WORKDIR REGISTRY}" registry="${2:?usage: images.sh WORKDIR REGISTRY}"
 here="$(cd "$(dirname "$0")" && pwd)"
+. "$here/../lib/buildah-storage.sh"
 kmod=$(cd "$here/../controlplane/k8s" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)
 tag=$(awk '$1 == "TAG" {print $3; exit}' "$kmod/build/pause/Makefile")
 [ -n "$tag" ] || { echo "images: no pause TAG in $kmod/build/pause/Makefile" >&2; exit 1; }
-mkdir -p "$work/storage" "$work/run" "$work/ctx"
-cat > "$work/storage.conf" <<CONF
-[storage]
-driver = "vfs"
-graphroot = "$work/storage"
-runroot = "$work/run"
-CONF
+mkdir -p "$work/ctx"
+storage_conf "$work" vfs
 # buildah's network backend would otherwise keep a lock in /etc/cni/net.d (no step here needs a network)
 cat > "$work/containers.conf" <<CONF
 [network]
