@@ -11,7 +11,10 @@ batch. See docs/benchmarks.md for the figures and how to read them.
 
 Every JSON line has: case, runner, shape, config knobs, step_s (mean over the timed steps; median, min, max),
 tokens_per_s_per_gpu (real, non-padding tokens), mfu, peak_mem_gib (rank 0, torch max allocated),
-time_to_first_step_s (process launch to the end of step 1), losses, versions, and the ds_config the app used.
+time_to_first_step_s (process launch to the end of step 1), losses, versions, the ds_config the app used,
+`defaults` (true when the case set none of the settings the app chooses: ZeRO stage, pure bf16, activation
+checkpointing, micro-batch) and `resolved` (what the app chose for those it left to auto, as `finetune train` chooses
+them on this machine's GPUs, or for --gpu-memory).
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from typing import Any
 import yaml
 
 from app import profiling
-from app.config import ConfigError
+from app.config import AUTO_FIELDS, BEFORE_AUTO, ConfigError
+from app.resolve import parse_memory
 from benchmarks import assets
 from benchmarks.make_weights import weights_folder
-from benchmarks.runner import PEERS, REPO, Case, bench_env, peer_command, run_app, run_hf
+from benchmarks.runner import PEERS, REPO, Case, bench_env, peer_command, run_app, run_hf, settled_config
 
 MFU_FORMULA = (
     "MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden x seq_length) / peak; "
@@ -74,6 +78,7 @@ STAGE0 = {"train.pure_bf16": True, "deepspeed.zero_optimization.stage": 0}
 # be reserved during the few timed steps.
 FULL_8B = {"model.gradient_checkpointing": True, "train.learning_rate": 2e-5}
 EIGHT_B = {"warmup": 2, "steps": 8, "timeout": 300}
+EIGHT_B_STEPS = {"warmup": 2, "steps": 8}
 LORA_8B = {"warmup": 2, "steps": 5}
 
 
@@ -117,6 +122,32 @@ def chat_case(name: str, shape: str, mb: int, stage: int, lora: bool, runner: st
     sets = {**ONE_GPU, "train.learning_rate": 2e-4, **CHAT, **(LORA if lora else {}), **kw.pop("sets", {})}
     case = llama(name, shape, mb, stage, runner=runner, lengths="chat", weights=True, sets=sets, **kw)
     return dataclasses.replace(case, corpus_tokens=700_000 if shape == "llama-1.1b" else 250_000)
+
+
+def defaults_case(shape: str, lora: bool, runner: str = "app", **kw) -> Case:
+    """Chat SFT on one GPU as a user gets it: the workload alone (the shape with its weights, multi-turn chat data
+    packed into 2048-token blocks, LoRA r=16 on every projection or all parameters, the learning rate) and every
+    setting the app chooses left to it: ZeRO stage, pure bf16, checkpointing, Liger (auto) and the micro-batch (auto,
+    so that both sides run the same workload: TRL's twin reads the same config and runs the app's micro-batch and
+    checkpointing). The 8B full-parameter case trains at 2e-5 (at 2e-4 its losses rose) and saves synchronously."""
+    short = {"llama-1.1b": "l1b", "llama-8b": "l8b", "qwen2-0.5b": "q05"}[shape]
+    name = f"{'trl-' if runner == 'trl' else ''}defaults-chat-{short}-{'lora' if lora else 'full'}"
+    full_8b = shape == "llama-8b" and not lora
+    sets = {**ONE_GPU, **CHAT, **(LORA if lora else {}), "data.seq_length": 2048, "train.micro_batch_size": "auto"}
+    sets |= {"train.learning_rate": 2e-5 if full_8b else 2e-4, **({"checkpoint.async_save": False} if full_8b else {})}
+    sets |= kw.pop("sets", {})
+    tokens = {"llama-1.1b": 700_000, "llama-8b": 250_000, "qwen2-0.5b": 700_000}[shape]
+    return Case(name, shape, sets, runner, lengths="chat", corpus_tokens=tokens, weights=True, auto=True, **kw)
+
+
+def defaults_pair(shape: str, lora: bool, **kw) -> list[Case]:
+    """The app's defaults case, TRL's twin on the same config, and TRL again with checkpointing should the twin run
+    out of memory (TRL's activations are not the app's: the app's choice may not fit it)."""
+    twin = defaults_case(shape, lora, "trl", **kw)
+    spare = dataclasses.replace(
+        twin, name=twin.name + "-ckpt", sets={**twin.sets, "model.gradient_checkpointing": True}, fallback_for=twin.name
+    )
+    return [defaults_case(shape, lora, **kw), twin, spare]
 
 
 def profiled(case: Case) -> Case:
@@ -207,6 +238,17 @@ SUITES: dict[str, list[Case]] = {
         CHAT_L8B,
         chat_case("trl-chat-l8b-lora", "llama-8b", 4, 3, True, runner="trl", **LORA_8B, estimate=190, timeout=300),
         chat_case("chat-l8b-lora-z0-pure", "llama-8b", 4, 0, True, sets=STAGE0, **LORA_8B, estimate=110),
+    ],
+    # The shipped defaults against TRL (1 x H200, issue #50): chat SFT, full-parameter and LoRA, of the Qwen2-0.5B,
+    # Llama 1.1B and Llama-3-8B shapes, each beside TRL's SFTTrainer on the same config; every app case sets nothing
+    # the app chooses ("defaults": true in its record, "resolved" what it chose). The 8B's weights (16 GB) last.
+    "defaults": [
+        *defaults_pair("qwen2-0.5b", False, estimate=60, timeout=180),
+        *defaults_pair("qwen2-0.5b", True, estimate=60, timeout=180),
+        *defaults_pair("llama-1.1b", False, estimate=90, timeout=180),
+        *defaults_pair("llama-1.1b", True, estimate=90, timeout=180),
+        *defaults_pair("llama-8b", False, estimate=170, timeout=300, **EIGHT_B_STEPS),
+        *defaults_pair("llama-8b", True, estimate=190, timeout=300, **LORA_8B),
     ],
     # Launch to first step, phase by phase (1 x H200): each side first on the machine (the app tokenizing the
     # corpus, the compile caches cold), then each again with the data tokenized and its compile cache warm.
@@ -314,7 +356,24 @@ def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
     }
     for key, value in {**forced, **case.sets}.items():
         set_dotted(doc, key, value)
+    if not case.auto:  # what the suites measured before "auto" existed (runner.Case.auto)
+        for key, value in BEFORE_AUTO.items():
+            if get_dotted(doc, key) in (None, "auto"):
+                set_dotted(doc, key, value)
     return doc, shape
+
+
+def get_dotted(doc: dict[str, Any], key: str) -> Any:
+    node: Any = doc
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def ran_defaults(doc: dict[str, Any]) -> bool:
+    """Whether a case's config sets none of the settings the app chooses (each absent, or auto): the shipped
+    defaults, for the records' "defaults"."""
+    return all(get_dotted(doc, key) in (None, "auto") for key in AUTO_FIELDS)
 
 
 # ---- environment -----------------------------------------------------------------------------------------
@@ -361,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for results.jsonl, summary.txt and logs.txt")
     p.add_argument("--work", default="/tmp/finetune-bench", help="scratch folder: models, corpora, storage")
     p.add_argument("--deadline-s", type=float, default=1e9, help="skip cases that would end after this many seconds")
+    p.add_argument(
+        "--gpu-memory",
+        type=parse_memory,
+        help="record the auto settings as chosen for GPUs of this memory, e.g. 140GiB (default: this machine's GPUs, "
+        "as finetune train reads them)",
+    )
     args = p.parse_args(argv)
 
     t0 = time.time()
@@ -401,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             row["weights"] = json.loads(made.stdout.splitlines()[-1]) if made.returncode == 0 else made.stderr[-800:]
         try:
-            row.update(_knobs(doc, shape, cfg_path, case.runner))
+            row.update(_knobs(doc, shape, cfg_path, case.runner, args.gpu_memory))
         except ConfigError as exc:  # refused by the app's preflight (e.g. a combination known to fail)
             row["error"] = f"invalid config: {exc}"
             print(f"-- {case.name}: {row['error']}", flush=True)
@@ -434,14 +499,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _knobs(doc: dict[str, Any], shape: assets.Shape, cfg_path: Path, runner: str) -> dict[str, Any]:
+def _knobs(
+    doc: dict[str, Any], shape: assets.Shape, cfg_path: Path, runner: str, gpu_memory: int | None = None
+) -> dict[str, Any]:
     from app import config as config_mod
     from app import driver
 
-    cfg = config_mod.load(cfg_path)
+    # The auto settings as `finetune train` chooses them on this machine's GPUs (or for --gpu-memory).
+    settled = settled_config(config_mod.resolve(config_mod.load(cfg_path)), gpu_memory)
+    if settled.problems:
+        raise ConfigError(settled.problems)
+    cfg = settled.config
     workers = cfg.scaling.num_workers
     ds, _ = driver.check(cfg)  # what the app hands the workers (and hf_trainer builds the same way)
     return {
+        "defaults": ran_defaults(doc),
+        "resolved": {key: ("auto" if key in settled.standing_in else v) for key, v in settled.values.items()},
         "workers": workers,
         "stage": cfg.zero_stage,
         "micro_batch": cfg.train.micro_batch_size,
@@ -449,6 +522,7 @@ def _knobs(doc: dict[str, Any], shape: assets.Shape, cfg_path: Path, runner: str
         "seq": cfg.data.seq_length,
         "packing": cfg.data.packing,
         "liger": cfg.model.liger_kernels,
+        "pure_bf16": cfg.train.pure_bf16,
         "compile": cfg.model.compile,
         "act_ckpt": cfg.model.gradient_checkpointing,
         "offload": bool(ds["zero_optimization"].get("offload_optimizer")),

@@ -72,11 +72,12 @@ def main() -> None:
     from app import data, ds_config, metrics, profiling
     from app.data import pipeline, store
     from app.model import hidden_size, load_model, load_model_config, load_tokenizer, model_facts
+    from benchmarks.runner import settled_config
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
     # The process group first (as Trainer's own DeepSpeed setup would), so every rank sees the world size.
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    cfg = config_mod.resolve(config_mod.load(args.config))
+    cfg = settled_config(config_mod.resolve(config_mod.load(args.config))).config  # auto chosen as the app would
     t = cfg.train
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     mc = load_model_config(cfg.model)

@@ -40,6 +40,10 @@ class Case:
     checkpoint: bool = False  # let the run end, measure its final checkpoint, then time a resume from it
     saves: int = 0  # measure this many periodic saves (the loop's stall, the write, the bytes), then end the run
     fallback_for: str | None = None  # run only if the case of this name failed (e.g. out of memory)
+    # The ZeRO stage, pure bf16, checkpointing and micro-batch: False, each the case does not set takes its value from
+    # before "auto" existed (app.config.BEFORE_AUTO), so a suite measures what it always measured; True, the case
+    # leaves them to the app (what a user gets), and its twin peer runs the app's micro-batch and checkpointing.
+    auto: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the run (experiment switches)
     weights: bool = False  # load real (random-valued) safetensors weights instead of `random-init:`
     tree: str | None = None  # run the app from another checkout (an A/B against, e.g., main), relative to REPO
@@ -433,3 +437,14 @@ def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: P
     if out_json.exists():
         return json.loads(out_json.read_text())
     return {"error": f"{failure or 'no result'}: {error_lines(log_path.read_text(errors='replace'))}"}
+
+
+def settled_config(cfg, gpu_memory: int | None = None):
+    """`cfg` with its auto settings chosen as `finetune train` chooses them on this machine (app.autoset: its GPUs'
+    memory, or `gpu_memory` bytes where given), for the harness's records and the peers that run the same config."""
+    from app import autoset, driver
+
+    def detect():
+        return (gpu_memory, "the harness's --gpu-memory") if gpu_memory else driver.cluster_gpu_memory(cfg)
+
+    return autoset.settle(cfg, hardware=autoset.Hardware(detect=detect))

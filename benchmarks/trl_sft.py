@@ -65,9 +65,11 @@ def main() -> None:
     from app.data import chat
     from app.model import hidden_size, load_model_config, load_tokenizer, model_facts
     from benchmarks.hf_trainer import profiler_callback, trainer_args
+    from benchmarks.runner import settled_config
 
     launch = float(os.environ.get("BENCH_LAUNCH_T", time.time()))
-    cfg = config_mod.resolve(config_mod.load(args.config))
+    # The app's choice of what the config leaves to auto: the same micro-batch and checkpointing on both sides.
+    cfg = settled_config(config_mod.resolve(config_mod.load(args.config))).config
     d = cfg.data
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     mc = load_model_config(cfg.model)

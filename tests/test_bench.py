@@ -27,7 +27,7 @@ def _stand_in_weights(root, shape_name):
     (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
 
 
-def _configs(tmp_path, cases):
+def _configs(tmp_path, cases, gpu_memory=None):
     for case in cases:
         case = dataclasses.replace(case, corpus_tokens=5_000)
         if case.weights:
@@ -37,7 +37,7 @@ def _configs(tmp_path, cases):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(doc))
         try:
-            yield case, bench._knobs(doc, shape, path, case.runner)
+            yield case, bench._knobs(doc, shape, path, case.runner, gpu_memory)
         except ConfigError as exc:
             yield case, exc
 
@@ -45,7 +45,7 @@ def _configs(tmp_path, cases):
 def test_suites_are_few_and_each_case_name_means_one_config():
     """One suite per table of docs/benchmarks.md (and the CPU smoke suite); a case of the same name in two suites is
     the same case, so a figure can be traced to its config by name."""
-    assert len(bench.SUITES) <= 10
+    assert len(bench.SUITES) <= 11
     by_name = {}
     for suite, cases in bench.SUITES.items():
         assert cases and len({c.name for c in cases}) == len(cases), suite
@@ -87,6 +87,35 @@ def test_chat_cases_pair_the_app_with_trl_on_the_same_config(tmp_path):
             assert {key: k[key] for key in same} == {key: knobs[app_twin][key] for key in same}, (name, app_twin)
             assert "-m benchmarks.trl_sft" in k["command"] and "--deepspeed" not in k["command"], name
     assert sum(name.startswith("trl") for name in knobs) == 5
+
+
+def test_the_defaults_suite_sets_nothing_the_app_chooses_and_records_what_it_chose(tmp_path):
+    """Issue #50: the shipped defaults beside TRL on one H200 (143,771 MiB, as the app reads it there), full and LoRA
+    chat SFT of the three shapes; each app case sets none of the settings the app chooses, its record says so and
+    what the app chose; TRL's twin runs the same micro-batch and checkpointing; every other suite's cases keep the
+    values they measured before auto existed."""
+    from app.config import AUTO_FIELDS, BEFORE_AUTO
+
+    cases = bench.SUITES["defaults"]
+    wanted = {(shape, lora) for shape in ("llama-1.1b", "llama-8b", "qwen2-0.5b") for lora in (False, True)}
+    assert {(c.shape, "lora" in c.name) for c in cases if c.runner == "app"} == wanted
+    knobs = {case.name: k for case, k in _configs(tmp_path, cases, gpu_memory=143_771 * 2**20)}
+    for case in cases:
+        k = knobs[case.name]
+        assert not isinstance(k, ConfigError), (case.name, k)
+        assert k["workers"] == 1 and k["format"] == "chat" and k["seq"] == 2048 and k["packing"], (case.name, k)
+        if case.fallback_for:  # TRL again, with checkpointing, should the twin run out of memory
+            assert k["act_ckpt"] is True and not k["defaults"] and case.runner == "trl", case.name
+            continue
+        assert k["defaults"] is True and set(k["resolved"]) == set(AUTO_FIELDS), (case.name, k["resolved"])
+        assert k["stage"] == 0 == k["resolved"]["deepspeed.zero_optimization.stage"], case.name  # one GPU
+        assert k["pure_bf16"] is True and k["micro_batch"] >= 1, case.name  # learning rates of 2e-5 and above
+        if case.runner == "trl":
+            app = knobs[case.name.removeprefix("trl-")]
+            assert (k["micro_batch"], k["act_ckpt"]) == (app["micro_batch"], app["act_ckpt"]), case.name
+            assert "-m benchmarks.trl_sft" in k["command"] and "--deepspeed" not in k["command"], case.name
+    (other,) = [k for case, k in _configs(tmp_path, [bench.L1B_1GPU])]
+    assert other["defaults"] is False and other["resolved"] == {} and other["pure_bf16"] is BEFORE_AUTO[AUTO_FIELDS[1]]
 
 
 def test_chat_corpus_is_deterministic_and_every_row_trains(tmp_path):
