@@ -337,13 +337,15 @@ def test_a_resume_keeps_a_stage_that_no_stage_change_could_load(tmp_path, llama1
 
 
 def test_the_chart_passes_the_groups_gpu_memory_and_refuses_two_sizes():
-    from k8s_support import helm, one, render, template_args
+    from k8s_support import config_files, helm, render, template_args
 
-    entry = one(render(sets=["workers.gpu.gpuMemory=80GiB"]), "RayJob")["spec"]["entrypoint"]
-    assert entry.endswith("--set scaling.gpu_memory=80GiB")
-    own = one(render(sets=["workers.gpu.gpuMemory=80GiB", "training.scaling.gpu_memory=40GiB"]), "RayJob")
-    assert "--set scaling.gpu_memory" not in own["spec"]["entrypoint"]  # the training config's own value wins
-    assert "gpu_memory" not in one(render(), "RayJob")["spec"]["entrypoint"]
+    def scaling(objects) -> dict:
+        return yaml.safe_load(config_files(objects)["training.yaml"]).get("scaling", {})
+
+    assert scaling(render(sets=["workers.gpu.gpuMemory=80GiB"]))["gpu_memory"] == "80GiB"
+    own = render(sets=["workers.gpu.gpuMemory=80GiB", "training.scaling.gpu_memory=40GiB"])
+    assert scaling(own)["gpu_memory"] == "40GiB"  # the training config's own value wins
+    assert "gpu_memory" not in scaling(render())
     two = ['workers.extra={"replicas": 1, "gpus": 2, "gpuMemory": "40GiB"}']
     out = helm(*template_args(sets=["workers.gpu.gpuMemory=80GiB"], set_json=two), check=False)
     assert out.returncode != 0 and "the GPU groups give different gpuMemory" in out.stderr, out.stderr

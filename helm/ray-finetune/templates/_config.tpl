@@ -1,6 +1,7 @@
 {{/*
 The ConfigMap's data. training.yaml is training.* from values as the app reads it, with
-experiment.storage_path set to the volume's mount path; experiment.name and scaling.num_workers are
+experiment.storage_path set to the volume's mount path and scaling.gpu_memory, unless set, to the GPU groups'
+gpuMemory (each GPU's memory, a property of the groups like the GPU count); experiment.name and scaling.num_workers are
 decided by the deployment and passed on the entrypoint (--set), so one file serves every experiment.
 The chart does not compute the DeepSpeed config: the app resolves it at start, logs it and records it as
 <experiment>/ds_config.json (`finetune validate` prints it for a config).
@@ -13,6 +14,7 @@ The chart does not compute the DeepSpeed config: the app resolves it at start, l
 {{- $_ := set $t "experiment" $exp -}}
 {{- $scaling := deepCopy (get $t "scaling" | default dict) -}}
 {{- $_ := unset $scaling "num_workers" -}}
+{{- with include "ray-finetune.gpuMemory" . }}{{ $_ := set $scaling "gpu_memory" . }}{{ end -}}
 {{- if $scaling }}{{ $_ := set $t "scaling" $scaling }}{{ else }}{{ $_ := unset $t "scaling" }}{{ end -}}
 {{- toJson $t -}}
 {{- end }}

@@ -225,13 +225,12 @@ so the config passes the same checks as the training job that will use the data)
 */}}
 {{- define "ray-finetune.entrypoint" -}}
 {{ ternary "finetune prepare" "finetune train" (.Values.prepare.enabled | default false) }} {{ include "ray-finetune.configDir" . }}/training.yaml --set scaling.num_workers={{ include "ray-finetune.numWorkers" . }} --set experiment.name={{ include "ray-finetune.experiment" . }}
-{{- with include "ray-finetune.gpuMemory" . }} --set scaling.gpu_memory={{ . }}{{ end }}
 {{- end }}
 
 {{/*
-Each GPU's memory for the app's auto settings (scaling.gpu_memory): the gpuMemory of the GPU worker groups, when
-training.scaling.gpu_memory does not set it; empty when no group sets it (the app then asks the cluster).
-validate.yaml fails when the GPU groups disagree or only some set it.
+Each GPU's memory for the app's auto settings, which training.yaml's scaling.gpu_memory takes (_config.tpl): the
+gpuMemory of the GPU worker groups, when training.scaling.gpu_memory does not set it; empty when no group sets it (the
+app then asks the cluster). validate.yaml fails when the GPU groups disagree or only some set it.
 */}}
 {{- define "ray-finetune.gpuMemory" -}}
 {{- $own := dig "scaling" "gpu_memory" "" (.Values.training | default dict) | toString -}}
