@@ -7,7 +7,8 @@ batches its position counts (the prepared data's key fields: the files, tokenize
 packing, mixture). A change to any of them is refused with the field, its old and new value and the fix (a new
 experiment name, or `--accept-changed FIELD` to continue anyway, which is logged and recorded). Everything else
 (learning rate, schedule, epochs, evaluation, logging, checkpoint cadence, workers) may change between deploys;
-what did is said in one line.
+what did is said in one line. A dependency the config leaves to "auto" (train.pure_bf16) keeps on a redeploy the
+value recorded here, where it fits (app.autoset, before this comparison): other GPUs make no change nobody wrote.
 """
 
 from __future__ import annotations

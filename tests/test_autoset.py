@@ -310,6 +310,31 @@ def test_a_resume_keeps_the_recorded_pure_bf16_rather_than_refusing(tmp_path, ll
     assert again.values["train.pure_bf16"] is True
 
 
+def test_validate_of_a_redeploy_on_other_gpus_keeps_the_contracts_pure_bf16(capsys, tmp_path, llama1b):
+    """The same rule end to end: an experiment started with fp32 master weights (its contract.json, as the first run
+    records it), redeployed with pure_bf16 auto on an H200, where auto alone would choose pure bf16: validate passes
+    and says why; naming the field in --accept-changed lets auto choose, and the contract then names the change."""
+    args = chat_args(tmp_path, llama1b, "experiment.name=exp1", "scaling.num_workers=1", "scaling.gpu_memory=140GiB")
+    first = autoset.settle(main_config(args, "train.pure_bf16=false")).config
+    checkpoint(tmp_path / "storage", micro_batch_size=1, gradient_accumulation_steps=1, zero_stage=0)
+    record = {"depends_on": contract.dependencies(first), "config": first.model_dump(mode="json")}
+    (tmp_path / "storage" / "exp1" / contract.RECORD).write_text(json.dumps(record))
+    code, cfg, _, lines, err = validate(capsys, *args)
+    assert code == 0 and cfg["train"]["pure_bf16"] is False, err
+    assert chosen(lines, "precision") == "mixed bf16 (fp32 master weights) (auto)" and "kept: " in "".join(lines)
+    code, cfg, _, lines, err = validate(capsys, *args, "--accept-changed", "train.pure_bf16")
+    assert code == 0 and cfg["train"]["pure_bf16"] is True, err
+    assert "continuing exp1's checkpoints with changed train.pure_bf16 (--accept-changed)" in err
+
+
+def main_config(args: list[str], *sets: str):
+    """The config `finetune validate ARGS --set SETS` reads (its storage path made absolute, its name kept)."""
+    from app import config as config_mod
+
+    overrides = [a for a in args if a != "--set"] + list(sets)
+    return config_mod.resolve(config_mod.load(None, overrides))
+
+
 def test_a_resume_keeps_the_checkpoints_micro_batch_halving_it_to_fit(tmp_path, llama1b):
     checkpoint(tmp_path, micro_batch_size=32, gradient_accumulation_steps=1, zero_stage=0)
     cfg = parse(gpu_config(tmp_path, llama1b, **{"scaling.gpu_memory": "16GiB", "train.micro_batch_size": "auto"}))
