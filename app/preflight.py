@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from app import data, ds_config
-from app.config import SOURCE_KEYS, DataConfig, TrainingConfig
+from app.config import SOURCE_KEYS, DataConfig, TrainingConfig, stand_ins
 from app.data import chat
 from app.data import files as data_files
 from app.errors import Problem
@@ -396,7 +396,7 @@ def split_problems(cfg: TrainingConfig) -> list[Problem]:
         return found
     held_out = math.ceil(d.eval_fraction * train) if d.eval_fraction else 0
     left = train - held_out
-    t, world = cfg.train, cfg.scaling.num_workers
+    t, world = stand_ins(cfg).train, cfg.scaling.num_workers  # a micro-batch still auto (partial): the least, 1
     # Unpacked, each row is at most one sequence; packed, a row can fill several, so one row may do.
     needed = 1 if d.packing else t.micro_batch_size * t.gradient_accumulation_steps * world
     if left >= needed:

@@ -195,6 +195,19 @@ def test_without_the_gpus_memory_validate_notes_it_and_shows_auto(capsys, tmp_pa
     assert ds["zero_optimization"]["stage"] == "auto" == ds["train_micro_batch_size_per_gpu"]
 
 
+def test_an_auto_micro_batch_beside_an_invalid_key_is_checked_as_the_least(capsys, tmp_path, tiny_model):
+    """validate of a config with an invalid key still checks the rest (cli._more_problems), an auto micro-batch
+    there as its stand-in, 1: one line for the invalid key, no traceback."""
+    base = [f"experiment.storage_path={tmp_path}", f"model.name_or_path={tiny_model}", f"data.dataset={CORPUS}"]
+    base += ["data.split=train", "data.seq_length=64", "scaling.use_gpu=false", "train.micro_batch_size=auto"]
+    base += ["data.packing=false"]
+    code, *_, err = validate(capsys, *[a for v in [*base, "train.epochs=0"] for a in ("--set", v)])
+    assert code == 2 and [line for line in err.splitlines() if line.startswith("error: ")] == [
+        "error: train.epochs: Input should be greater than or equal to 1 (got 0). Fix: see the field's description "
+        "in docs/configuration.md"
+    ], err
+
+
 def test_validate_help_names_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["validate", "--help"])
