@@ -266,6 +266,33 @@ def test_the_clusters_gpu_type_gives_the_memory():
     assert autoset.memory_of_types(["H100", "?"]) is None and autoset.memory_of_types([]) is None
 
 
+def test_train_reads_the_memory_of_its_own_gpus_or_of_the_joined_clusters(monkeypatch, tmp_path, llama1b):
+    """No RAY_ADDRESS: the smallest GPU torch sees here (the local cluster's workers get them). RAY_ADDRESS: the
+    GPU nodes' accelerator type, once the driver is connected (which starts nothing)."""
+    from types import SimpleNamespace
+
+    import ray
+    import torch
+
+    cfg = parse(gpu_config(tmp_path, llama1b, **{"scaling.placement_timeout_s": 1}))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sizes = [143_771 * 2**20, 81_559 * 2**20]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=sizes[i]))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    assert driver.cluster_gpu_memory(cfg) == (81_559 * 2**20, "the NVIDIA H200 this machine's workers get")
+    monkeypatch.setenv("RAY_ADDRESS", "ray://nowhere:10001")
+    connected = []
+    monkeypatch.setattr(driver, "start_ray", lambda c: connected.append(c))
+    monkeypatch.setattr(
+        ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 1.0, "accelerator_type:H200": 1.0}}]
+    )
+    assert driver.cluster_gpu_memory(cfg) == (143_771 * 2**20, "the cluster's H200 GPUs") and connected == [cfg]
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])  # no GPU node joins
+    assert driver.cluster_gpu_memory(cfg) is None
+
+
 def test_cpu_workers_take_fixed_values_without_the_memory_model(tmp_path, tiny_model):
     cfg = parse({"model": {"name_or_path": str(tiny_model)}, "scaling": {"use_gpu": False}})
     settled = autoset.settle(cfg)
