@@ -78,6 +78,43 @@ def test_deepspeed_universal_conversion_takes_our_arguments(monkeypatch, tmp_pat
     assert list(inspect.signature(ds_to_universal.main).parameters) == ["args"]
 
 
+def test_a_universal_folder_is_made_loadable_at_any_stage(tmp_path):
+    """DeepSpeed's engine looks for `zero_pp_rank_0_mp_rank_NN_model_states.pt` at stage 3 and
+    `mp_rank_NN_model_states.pt` below it (its private _get_ckpt_name), and stages 0-2 assert the optimizer state's
+    DeepSpeed version, which the converter leaves out of a stage-3 checkpoint's; the converter keeps the file's own."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    assert "sd.get(DS_VERSION, False)" in inspect.getsource(DeepSpeedZeroOptimizer._load_global_state)
+    source = inspect.getsource(DeepSpeedEngine._get_ckpt_name)
+    assert '"zero_pp_rank_{}".format(pp_rank)' in source and '"mp_rank_" + mp_rank_str + "_model_states.pt"' in source
+    torch.save({"ds_version": "0.19.8", "global_steps": 4}, tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    (tmp_path / "zero" / "w").mkdir(parents=True)  # a stage-3 checkpoint's, converted: bare tensors, step inside
+    groups = [{"lr": 0.1, "params": [0]}]
+    torch.save(
+        {"optimizer_state_dict": {"state": {0: {"step": 4}}}, "param_groups": groups},
+        tmp_path / "zero" / "optimizer_state.pt",
+    )
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        torch.save(torch.ones(3), tmp_path / "zero" / "w" / f"{key}.pt")
+    added = formats.complete_universal(tmp_path, groups=2)  # the loading optimizer has 2 groups, the saved one 1
+    assert added[0] == "mp_rank_00_model_states.pt" and "3 parameter states" in added[1], added
+    assert torch.load(tmp_path / "zero" / "optimizer_state.pt")["param_groups"] == groups * 2
+    assert torch.load(tmp_path / "mp_rank_00_model_states.pt")["global_steps"] == 4
+    assert torch.equal(torch.load(tmp_path / "zero" / "w" / "fp32.pt")["param"], torch.ones(3))
+    assert torch.load(tmp_path / "zero" / "w" / "step.pt") == 4
+    assert torch.load(tmp_path / "zero" / "optimizer_state.pt")["ds_version"] == "0.19.8"
+    assert formats.complete_universal(tmp_path, groups=2) == []  # once
+    # A stage 0-2 checkpoint's, converted: states in dicts, step.pt beside them; stage 3 wants the step inside.
+    torch.save({"ds_version": "0.19.8", "param_groups": groups * 2}, tmp_path / "zero" / "optimizer_state.pt")
+    assert formats.complete_universal(tmp_path, groups=2) == ["the step in zero/optimizer_state.pt"]
+    inner = torch.load(tmp_path / "zero" / "optimizer_state.pt")["optimizer_state_dict"]
+    assert inner == {"state": {0: {"step": 4}}, "param_groups": groups * 2}
+    assert formats.complete_universal(tmp_path / "missing") == []
+
+
 def test_deepspeed_engine_reads_the_universal_flag_from_its_config():
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -134,25 +171,31 @@ def test_resume_plan_problems_name_the_workers():
     assert plan.gradient_accumulation_steps is None and "needs ZeRO stage 1, 2 or 3" in plan.problems[0].message
 
 
-def test_a_resume_at_another_zero_stage_is_refused_with_the_stage_it_needs():
-    """DeepSpeed cannot load a checkpoint of one stage at another (a traceback on every worker, measured for 2 -> 0,
-    0 -> 2 and 2 -> 3): the plan refuses it before the cluster starts. Checkpoints that predate the record pass."""
+def test_a_resume_at_another_zero_stage_converts_between_stages_1_to_3_and_refuses_stage_0():
+    """A change between stages 1, 2 and 3 goes through DeepSpeed's universal checkpoint (tests/test_reliability.py
+    runs 3 -> 2); to or from stage 0 it is refused with the stage it needs (3 -> 0 failed in every worker).
+    Checkpoints that predate the record pass."""
     from app.checkpoint import ResumePlan
     from app.config import parse
 
+    def cfg(stage: int, workers: int = 2):
+        return parse({"scaling": {"num_workers": workers}, "deepspeed": {"zero_optimization": {"stage": stage}}})
+
     state = {"world_size": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 1, "zero_stage": 2}
-    for stage in (0, 3):
-        cfg = parse({"scaling": {"num_workers": 2}, "deepspeed": {"zero_optimization": {"stage": stage}}})
-        (problem,) = ResumePlan.decide("step-00000004", state, cfg).problems
-        assert problem.field == "deepspeed.zero_optimization.stage" and problem.value == stage, problem
-        assert "written at ZeRO stage 2" in problem.message and "stage=2" in problem.fix, problem
-    same = parse({"scaling": {"num_workers": 2}, "deepspeed": {"zero_optimization": {"stage": 2}}})
-    assert ResumePlan.decide("step-00000004", state, same) == ResumePlan("step-00000004")
-    old = {k: v for k, v in state.items() if k != "zero_stage"}
-    assert ResumePlan.decide("step-00000004", old, parse({"scaling": {"num_workers": 2}})).problems == ()
-
-
-# --- the loop's pieces ----------------------------------------------------------------------------------------
+    for stage in (1, 3):
+        plan = ResumePlan.decide("step-00000004", state, cfg(stage))
+        assert not plan.problems and plan.gradient_accumulation_steps is None, plan
+        assert f"written at ZeRO stage 2, this run has stage {stage}" in plan.note and "universal" in plan.note
+    both = ResumePlan.decide("step-00000004", state, cfg(3, workers=1))  # stage and workers: one note, both said
+    assert both.gradient_accumulation_steps == 2 and "stage 3" in both.note and "written by 2 workers" in both.note
+    (problem,) = ResumePlan.decide("step-00000004", state, cfg(0)).problems
+    assert problem.field == "deepspeed.zero_optimization.stage" and problem.value == 0, problem
+    assert "not to or from stage 0" in problem.message and "stage=2" in problem.fix, problem
+    (problem,) = ResumePlan.decide("step-00000004", {**state, "zero_stage": 0}, cfg(3)).problems
+    assert "written at ZeRO stage 0" in problem.message and "stage=0" in problem.fix, problem
+    assert ResumePlan.decide("step-00000004", state, cfg(2)) == ResumePlan("step-00000004")
+    older = {k: v for k, v in state.items() if k != "zero_stage"}
+    assert ResumePlan.decide("step-00000004", older, cfg(3)) == ResumePlan("step-00000004")
 
 
 def test_optimizer_steps_take_whole_accumulations():

@@ -6,7 +6,10 @@
 - DeepSpeed's checkpoint engine: `engine.save_checkpoint` hands every file to `engine.checkpoint_engine.save`; a
   background save swaps in its own engine for that one call.
 - DeepSpeed's universal checkpoint: `ds_to_universal.main` takes its command line as a Namespace, and the engine
-  loads a universal checkpoint only when its private `_config.load_universal_checkpoint` is set.
+  loads a universal checkpoint only when its private `_config.load_universal_checkpoint` is set. It reads the
+  weights from the converted fp32 files, and only metadata (step counts, the scheduler) from a model-states file
+  whose name depends on the loading engine's stage, and the converter's layouts for stage 3 and for stages 0-2 differ
+  (`complete_universal` fills in each from the other).
 """
 
 from __future__ import annotations
@@ -104,6 +107,103 @@ def convert_to_universal(src: Path, dst: Path) -> None:
     from deepspeed.checkpoint.ds_to_universal import main as convert
 
     convert(universal_args(src, dst))
+
+
+# The model-states file an engine looks for in a universal folder: stage 3 (weights partitioned) asks for data-parallel
+# rank 0's, stages 0-2 for the single one; the converter keeps the name the checkpoint was written with.
+MODEL_STATES_NAMES = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt")
+OPTIMIZER_STATE = Path("zero") / "optimizer_state.pt"  # the optimizer's global state in a universal folder
+
+
+def complete_universal(folder: Path, groups: int = 1) -> list[str]:
+    """Makes a converted universal folder loadable at any ZeRO stage, whichever stage wrote the checkpoint, by an
+    optimizer of `groups` parameter groups. DeepSpeed's converter writes a stage-3 checkpoint in the layout its
+    stage-3 reader expects and a stage 0-2 one in the layout the other readers expect; they differ in five places,
+    each filled in here from what the folder holds: the model-states file's name (stage 3 asks for data-parallel
+    rank 0's, stages 0-2 for the single one: a hard link, else a copy); each parameter's states as {"param": tensor}
+    (stage 3 writes bare tensors, which stages 0-2 cannot index; stage 3 reads both); the Adam step as `step.pt`
+    beside them (stages 0-2) and in the optimizer's global state (stage 3 reads it there); the parameter groups
+    (stages 0-2 read group i's parameters only where the saved state has a group i; ZeRO-3 saves one); and the
+    DeepSpeed version, which stages 0-2 assert. Every file is written under a temporary name and renamed. Returns
+    what it added, for the log."""
+    present = [name for name in MODEL_STATES_NAMES if (folder / name).is_file()]
+    if not present:
+        return []
+    added = []
+    for name in MODEL_STATES_NAMES:
+        if name not in present:
+            tmp = folder / (name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(folder / present[0], tmp)
+            except OSError:
+                shutil.copy2(folder / present[0], tmp)
+            os.replace(tmp, folder / name)
+            added.append(name)
+    if (folder / OPTIMIZER_STATE).is_file():
+        added += _complete_optimizer_states(folder, folder / present[0], groups)
+    return added
+
+
+def _complete_optimizer_states(folder: Path, model_states: Path, groups: int) -> list[str]:
+    import torch
+    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+
+    def save(value, path: Path) -> None:
+        torch.save(value, path.with_name(path.name + ".tmp"))
+        os.replace(path.with_name(path.name + ".tmp"), path)
+
+    optimizer = torch.load(folder / OPTIMIZER_STATE, map_location="cpu", weights_only=False)
+    added, step = [], None
+    if (inner := optimizer.get(OPTIMIZER_STATE_DICT)) and inner.get("state"):
+        step = next(iter(inner["state"].values())).get("step")  # one step for every parameter
+    wrapped = 0
+    for param in sorted(p for p in (folder / OPTIMIZER_STATE).parent.iterdir() if p.is_dir()):
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            if (param / f"{key}.pt").is_file():
+                value = torch.load(param / f"{key}.pt", map_location="cpu", weights_only=False)
+                if torch.is_tensor(value):
+                    save({PARAM: value}, param / f"{key}.pt")
+                    wrapped += 1
+        if (param / "step.pt").is_file():
+            step = torch.load(param / "step.pt", map_location="cpu", weights_only=False) if step is None else step
+        elif step is not None:
+            save(step, param / "step.pt")
+    if wrapped:
+        added.append(f"{wrapped} parameter states as {{'{PARAM}': tensor}}")
+    changed = False
+    if not optimizer.get(DS_VERSION):
+        optimizer[DS_VERSION] = torch.load(model_states, map_location="cpu", weights_only=False).get(DS_VERSION)
+        added.append(f"{DS_VERSION} {optimizer[DS_VERSION]} in {OPTIMIZER_STATE}")
+        changed = True
+    if len(optimizer[PARAM_GROUPS]) < groups:
+        # Stages 0-2 load the parameters of group i only where the saved state has a group i, and ZeRO-3 saves its
+        # groups as one: repeated, every group of the loading optimizer is read (the app then puts back each group's
+        # own weight decay: app.checkpoint.resuming.restore).
+        optimizer[PARAM_GROUPS] += [optimizer[PARAM_GROUPS][-1]] * (groups - len(optimizer[PARAM_GROUPS]))
+        added.append(f"{groups} parameter groups in {OPTIMIZER_STATE}")
+        changed = True
+    if OPTIMIZER_STATE_DICT not in optimizer and step is not None:
+        optimizer[OPTIMIZER_STATE_DICT] = {"state": {0: {"step": step}}, PARAM_GROUPS: optimizer[PARAM_GROUPS]}
+        added.append(f"the step in {OPTIMIZER_STATE}")
+        changed = True
+    if changed:
+        save(optimizer, folder / OPTIMIZER_STATE)
+    return added
+
+
+def scheduler_state(folder: Path, groups: int) -> dict:
+    """The learning-rate scheduler's state saved in a universal folder's model-states file, its per-group lists
+    fitted to an optimizer of `groups` parameter groups (another ZeRO stage may group them otherwise; the app gives
+    every group the same rate and schedule, so the first group's entry serves for each)."""
+    import torch
+
+    name = next(name for name in MODEL_STATES_NAMES if (folder / name).is_file())
+    state = torch.load(folder / name, map_location="cpu", weights_only=False)["lr_scheduler"]
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        if isinstance(state.get(key), list) and state[key] and len(state[key]) != groups:
+            state[key] = [state[key][0]] * groups
+    return state
 
 
 @contextlib.contextmanager

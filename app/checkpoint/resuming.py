@@ -92,17 +92,17 @@ class ResumePlan:
     def decide(cls, name: str, state: dict[str, Any], cfg: TrainingConfig) -> ResumePlan:
         """Pure: from a checkpoint's trainer state and the config."""
         saved, workers, t = state.get("world_size"), cfg.scaling.num_workers, cfg.train
-        stage = state.get("zero_stage")  # absent in checkpoints written before it was recorded
+        stage, stage_note = state.get("zero_stage"), None  # absent in checkpoints written before it was recorded
         if stage is not None and stage != cfg.zero_stage:
-            message = (
-                f"the experiment's last checkpoint ({name}) was written at ZeRO stage {stage}, and DeepSpeed cannot "
-                "load one stage's optimizer state at another (stage 0 saves it whole, stages 1-2 and 3 in "
-                "differently laid out partitions)"
+            if refused := _stage_change_problem(name, state, cfg):
+                return cls(name, problems=(refused,))
+            stage_note = (
+                f"the experiment's last checkpoint ({name}) was written at ZeRO stage {stage}, this run has stage "
+                f"{cfg.zero_stage}: the checkpoint is converted to DeepSpeed's universal checkpoint format (once) "
+                "when the run starts, weights and optimizer state kept"
             )
-            fix = f"set deepspeed.zero_optimization.stage={stage}, or start a new experiment name"
-            return cls(name, problems=(Problem("deepspeed.zero_optimization.stage", cfg.zero_stage, message, fix),))
         if not saved or saved == workers:
-            return cls(name)
+            return cls(name, note=stage_note)
         where = f"the experiment's last checkpoint ({name}) was written by {saved} workers"
 
         def refuse(message: str, fix: str) -> ResumePlan:
@@ -133,12 +133,9 @@ class ResumePlan:
             )
         else:
             batch = f"the global batch stays {global_batch} sequences"
-        return cls(
-            name,
-            new_gas,
-            note=f"{where}, this run has {workers}: {batch}; the checkpoint is converted to DeepSpeed's universal "
-            "checkpoint format (once) when the run starts",
-        )
+        note = f"{where}, this run has {workers}: {batch}; the checkpoint is converted to DeepSpeed's universal "
+        note += "checkpoint format (once) when the run starts"
+        return cls(name, new_gas, note=f"{stage_note}; {note}" if stage_note else note)
 
     def apply(self, cfg: TrainingConfig) -> TrainingConfig:
         """The config this run uses: `cfg` itself, or a copy with the accumulation that keeps the global batch."""
@@ -146,6 +143,24 @@ class ResumePlan:
             return cfg
         train = cfg.train.model_copy(update={"gradient_accumulation_steps": self.gradient_accumulation_steps})
         return cfg.model_copy(update={"train": train})
+
+
+def _stage_change_problem(name: str, state: dict[str, Any], cfg: TrainingConfig) -> Problem | None:
+    """A change of ZeRO stage goes through DeepSpeed's universal checkpoint, which converts between stages 1, 2 and 3.
+    Stage 0 on either side is refused: its bf16 optimizer fails to load a converted checkpoint (a TypeError in every
+    worker, measured 3 -> 0 with DeepSpeed 0.19.8), and train.pure_bf16 there trains with the app's own AdamW, whose
+    state DeepSpeed saves whole and its converter cannot read."""
+    stage = state.get("zero_stage")
+    if 0 not in (stage, cfg.zero_stage):
+        return None
+    return Problem(
+        "deepspeed.zero_optimization.stage",
+        cfg.zero_stage,
+        f"the experiment's last checkpoint ({name}) was written at ZeRO stage {stage} and this run has stage "
+        f"{cfg.zero_stage}; DeepSpeed's universal checkpoint converts between stages 1, 2 and 3, not to or from "
+        "stage 0",
+        f"set deepspeed.zero_optimization.stage={stage}, or start a new experiment name",
+    )
 
 
 # --- 2. rank 0's choice, broadcast ------------------------------------------------------------------------
@@ -317,22 +332,40 @@ def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
     complete checkpoint instead of failing the same way again."""
     state = read_state(path)
     saved_world = state.get("world_size") or world
-    universal = saved_world != world
+    saved_stage = state.get("zero_stage", engine.zero_optimization_stage())
+    restaged = saved_stage != engine.zero_optimization_stage()
+    universal = saved_world != world or restaged
     tag = _universal_tag(engine, path, state, rank, world) if universal else TAG
+    # Another stage may group the optimizer's parameters otherwise (ZeRO-3 flattens them): the loaded groups'
+    # settings would land on the wrong groups, and the scheduler's per-group lists would not fit. The config's
+    # weight decay per group stays, and the scheduler's position is loaded fitted to this run's groups.
+    decay = [group.get("weight_decay") for group in engine.optimizer.param_groups]
     try:
         with formats.loading_universal(engine, universal):
             load_path, _ = engine.load_checkpoint(
                 str(path),
                 tag=tag,
                 load_optimizer_states=True,
-                load_lr_scheduler_states=True,
+                load_lr_scheduler_states=not restaged,
                 load_module_strict=not lora.is_lora(engine.module),  # LoRA: the adapters only (app.lora)
             )
         if load_path is None:
             raise RuntimeError("DeepSpeed found nothing to load")
+        if restaged:
+            for group, weight_decay in zip(engine.optimizer.param_groups, decay):
+                group["weight_decay"] = weight_decay
+            if engine.lr_scheduler is not None:
+                groups = len(engine.optimizer.param_groups)
+                engine.lr_scheduler.load_state_dict(formats.scheduler_state(path / tag, groups))
     except Exception as exc:
-        raise _load_error(exc, path, tag, rank, saved_world if universal else None) from exc
-    if universal and rank == 0:
+        raise _load_error(exc, path, tag, rank, _written_with(state) if universal else None) from exc
+    if universal and rank == 0 and saved_stage != engine.zero_optimization_stage():
+        log.info(
+            f"{path.name} was written at ZeRO stage {saved_stage} and this run has stage "
+            f"{engine.zero_optimization_stage()}: loaded it through DeepSpeed's universal checkpoint format "
+            f"({path / tag})"
+        )
+    if universal and rank == 0 and saved_world != world:
         log.info(
             f"{path.name} was written by {saved_world} workers and this run has {world}: loaded it through "
             f"DeepSpeed's universal checkpoint format ({path / tag}); global batch {engine.train_batch_size()} "
@@ -340,7 +373,7 @@ def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
             f"x {world} workers (was {state.get('micro_batch_size')} x {state.get('gradient_accumulation_steps')} "
             f"x {saved_world})"
         )
-    if not universal and rng_file(path, rank).exists():
+    if saved_world == world and rng_file(path, rank).exists():  # the same ranks: each its own RNG streams
         _set_rng_state(torch.load(rng_file(path, rank), weights_only=False))
     return state
 
@@ -349,7 +382,7 @@ def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: 
     """Convert (rank 0, once) and return the tag to load; the engine must keep the checkpoint's global batch."""
     import torch.distributed as dist
 
-    saved_world = state["world_size"]
+    saved_world = state.get("world_size") or world
     recorded = {"micro_batch_size", "gradient_accumulation_steps"} <= state.keys()  # older checkpoints lack them
     keeps = engine.gradient_accumulation_steps() == accumulation_for(
         state, engine.train_micro_batch_size_per_gpu(), world
@@ -362,12 +395,11 @@ def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: 
             "Deploy with the same number of workers, or a micro-batch and accumulation that keep the global batch"
         )
     try:
-        tag = to_universal(path, rank)
+        tag = to_universal(path, rank, len(engine.optimizer.param_groups))
     except Exception as exc:
         raise CheckpointError(
-            f"converting {path} (written by {saved_world} workers) to DeepSpeed's universal "
-            f"checkpoint format for {world} workers failed: {type(exc).__name__}: {exc}. "
-            f"Deploy with {saved_world} workers to resume without conversion"
+            f"converting {path} (written with {_written_with(state)}) to DeepSpeed's universal checkpoint format "
+            f"failed: {type(exc).__name__}: {exc}. Deploy with {_written_with(state)} to resume without conversion"
         ) from exc
     finally:
         if dist.is_initialized():
@@ -377,11 +409,18 @@ def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: 
     return tag
 
 
-def _load_error(exc: Exception, path: Path, tag: str, rank: int, universal_from: int | None) -> CheckpointError:
-    if universal_from is not None:  # not the checkpoint's fault as far as we know: leave it usable by its own world
+def _written_with(state: dict[str, Any]) -> str:
+    """The workers and ZeRO stage a checkpoint was written with, as a deploy would set them."""
+    stage = state.get("zero_stage")
+    workers = f"scaling.num_workers={state.get('world_size', '?')}"
+    return workers + (f" and deepspeed.zero_optimization.stage={stage}" if stage is not None else "")
+
+
+def _load_error(exc: Exception, path: Path, tag: str, rank: int, universal_from: str | None) -> CheckpointError:
+    if universal_from is not None:  # not the checkpoint's fault as far as we know: leave it usable as it was written
         return CheckpointError(
             f"could not load {path / tag} (universal format) on rank {rank}: "
-            f"{type(exc).__name__}: {exc}. Deploy with {universal_from} workers to resume"
+            f"{type(exc).__name__}: {exc}. Deploy with {universal_from} to resume"
         )
     try:
         (path / UNLOADABLE).write_text(f"rank {rank}: {type(exc).__name__}: {exc}\n")
@@ -394,7 +433,7 @@ def _load_error(exc: Exception, path: Path, tag: str, rank: int, universal_from:
     )
 
 
-def to_universal(path: Path, rank: int) -> str:
+def to_universal(path: Path, rank: int, groups: int = 1) -> str:
     """Rank 0 converts `<path>/ds` to `<path>/universal` once (atomically: a temp folder renamed into place);
     returns the tag to load. The other ranks only return the tag (the caller holds a barrier)."""
     out = path / UNIVERSAL
@@ -403,9 +442,12 @@ def to_universal(path: Path, rank: int) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         log.info(f"converting {path / TAG} to DeepSpeed's universal checkpoint format in {out} (once)")
         formats.convert_to_universal(path / TAG, tmp)
+        formats.complete_universal(tmp, groups)
         (tmp / ".done").write_text("ok\n")
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
+    elif rank == 0:
+        formats.complete_universal(out, groups)  # converted for another stage, or before this was done
     return UNIVERSAL
 
 
