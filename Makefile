@@ -65,6 +65,12 @@ run-chat: tiny
 	@echo "==> chat SFT with LoRA: local Ray cluster, 2 CPU workers, ZeRO-3, 30 steps, then merge and export (1-2 min)"
 	$(BIN)/finetune train examples/local-cpu-chat.yaml
 
+# The preference example: DPO with LoRA on the bundled preference pairs; the log shows rewards/accuracies and margins.
+.PHONY: run-dpo
+run-dpo: tiny
+	@echo "==> DPO with LoRA: local Ray cluster, 2 CPU workers, ZeRO-3, 30 steps, then merge and export (1-2 min)"
+	$(BIN)/finetune train examples/local-cpu-dpo.yaml
+
 # --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget. Two files at a
 # time (-n 2, each file whole on one worker): a CPU training run keeps about half of 2 cores busy (tests/conftest.py).
 test: lint test-tools

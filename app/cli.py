@@ -349,7 +349,7 @@ def cmd_train(args) -> Exit:
         print(f"final model: {final}")
         if cfg.scaling.use_gpu is False:
             d = cfg.data  # chat rows, or rows rendered with data.chat_template: the sample asks a question
-            chat = d.format == "chat" or (d.format == "auto" and bool(d.chat_template))
+            chat = d.format in ("chat", "preference") or (d.format == "auto" and bool(d.chat_template))
             print(f"sample: {sample_generation(final, chat=chat)}")
     return Exit.OK
 

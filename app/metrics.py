@@ -35,6 +35,8 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq: int) -> floa
 
 
 CURVE_POINTS = 48  # points of the loss curve on the RayJob's progress record
+# Of an objective's own metrics, those the progress line shows (all are in metrics.jsonl, TensorBoard and MLflow).
+SHOWN = ("rewards/accuracies", "rewards/margins")
 
 
 class MetricsLogger:
@@ -88,7 +90,10 @@ class MetricsLogger:
         tokens_per_s_per_gpu: float,
         step_time: float,
         data_wait: float = 0.0,
+        extra: dict[str, float] | None = None,
     ) -> dict[str, Any]:
+        """One progress line; `extra`: the objective's own metrics under their names (preference tuning's, TRL's:
+        rewards/accuracies, ...), written, tracked and shown like the loss."""
         done = step - self.start_step
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(done, 1) * (self.total - step)
@@ -102,6 +107,7 @@ class MetricsLogger:
             "step_time_s": step_time,
             "eta_s": eta,
             "data_wait_s": data_wait,
+            **(extra or {}),
         }
         if self.flops_per_tok and self.peak:
             record["mfu"] = tokens_per_s_per_gpu * self.flops_per_tok / self.peak
@@ -117,8 +123,9 @@ class MetricsLogger:
         gn = f" gnorm {grad_norm:.3f}" if grad_norm is not None else ""
         # Shown only when it matters: a loader that cannot keep up (raise data.loader_workers).
         starved = f" data wait {data_wait / step_time:.0%}" if step_time and data_wait > 0.05 * step_time else ""
+        shown = "".join(f" {name} {record[name]:.4f}" for name in SHOWN if name in record)
         log.info(
-            f"step {step}/{self.total} epoch {epoch} loss {loss:.4f} lr {lr:.3g}{gn} "
+            f"step {step}/{self.total} epoch {epoch} loss {loss:.4f}{shown} lr {lr:.3g}{gn} "
             f"tok/s/gpu {tokens_per_s_per_gpu:,.0f}{mfu} step {step_time * 1000:.0f}ms{starved} eta {duration(eta)}"
         )
         return record
@@ -149,18 +156,26 @@ class MetricsLogger:
             return
         names = {"loss": "loss", "lr": "learning_rate", "grad_norm": "grad_norm", "mfu": "mfu"}
         names.update({k: k for k in ("tokens_per_s_per_gpu", "step_time_s", "data_wait_s", "epoch", "peak_mem_gib")})
+        names.update({k: k for k in record if "/" in k})  # an objective's own (TRL's rewards/accuracies, ...)
         values = {name: record[key] for key, name in names.items() if record.get(key) is not None}
         values["tokens_per_s"] = record["tokens_per_s_per_gpu"] * self.world_size
         self.mlflow.metrics(step, values)
 
-    def eval(self, step: int, loss: float) -> dict[str, Any]:
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": float(torch.exp(torch.tensor(min(loss, 50.0))))}
+    def eval(self, step: int, loss: float, extra: dict[str, float] | None = None) -> dict[str, Any]:
+        """`extra`: the objective's own metrics (preference tuning's), logged as eval_<name> as TRL does, in place of
+        the perplexity, which a preference loss has none of."""
+        record: dict[str, Any] = {"step": step, "eval_loss": loss}
+        if extra is None:
+            record["eval_perplexity"] = float(torch.exp(torch.tensor(min(loss, 50.0))))
+        record.update({f"eval_{name}": value for name, value in (extra or {}).items()})
         self._write(step, record, "eval")
         if self.mlflow:
-            self.mlflow.metrics(step, {"eval_loss": loss, "eval_perplexity": record["eval_perplexity"]})
+            self.mlflow.metrics(step, {k: v for k, v in record.items() if k != "step"})
         if self.progress:
             self.progress.update({"eval_loss": loss})
-        log.info(f"eval at step {step}: loss {loss:.4f} perplexity {record['eval_perplexity']:.2f}")
+        shown = "".join(f" {name} {record['eval_' + name]:.4f}" for name in SHOWN if "eval_" + name in record)
+        plex = f" perplexity {record['eval_perplexity']:.2f}" if "eval_perplexity" in record else ""
+        log.info(f"eval at step {step}: loss {loss:.4f}{plex}{shown}")
         return record
 
     def _write(self, step: int, record: dict[str, Any], prefix: str) -> None:

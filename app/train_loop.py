@@ -22,7 +22,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app import attention, checkpoint, data, ds_config, faults, logs, lora, opbuild, preemption, profiling
+from app import (
+    attention,
+    checkpoint,
+    data,
+    ds_config,
+    faults,
+    logs,
+    lora,
+    opbuild,
+    preemption,
+    preference_train,
+    profiling,
+)
 from app.config import TrainConfig, TrainingConfig
 from app.data import chat
 from app.ds_config import plain_bf16
@@ -62,8 +74,10 @@ def train_loop(loop_config: dict[str, Any]) -> None:
 
     # Model and DeepSpeed engine.
     marks["data"] = time.time()
-    model, engine = build_engine(cfg, ds_config, policy.total_steps, batches.collate is not None, marks)
+    model, engine = build_engine(cfg, ds_config, policy.total_steps, batches.packed, marks)
     options = loss_options(model, t.micro_batch_size * cfg.data.seq_length)
+    # Preference tuning: its reference in place (a pass stores it, before a resume loads any checkpoint).
+    objective = preference_train.setup(cfg, engine, ds_config, batches.splits(), loop_config["data"], rank)
 
     # Resume: the last checkpoint Ray registered for this experiment name (or, when it is missing or broken,
     # the newest older complete one), at the exact batch.
@@ -72,15 +86,13 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     if step == 0:
         log.info(f"starting {cfg.experiment.name} from scratch: {policy.total_steps} steps")
     metrics = start_metrics(model, cfg, policy.total_steps, position, world, marks) if rank == 0 else None
-    window = Window(engine.device)
-    evaluator = Evaluator(engine, batches, cfg, world, rank, metrics)
+    window = Window(engine.device, objective)
+    evaluator = Evaluator(engine, batches, cfg, world, rank, metrics, objective)
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
     preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
-    hf_files = functools.partial(lora.save_files, model, tokenizer)
-    saver = checkpoint.Saver(
-        engine, rank, world, dist.barrier, hf_files, lease_token, cfg.checkpoint.async_save, preempt.group
+    checkpoints = CheckpointManager.of(
+        engine, functools.partial(lora.save_files, model, tokenizer), preempt, policy, cfg, metrics
     )
-    checkpoints = CheckpointManager(saver, policy, cfg, rank, world, metrics)
     # All ranks raise together; a save of the last healthy step being written completes first.
     guard = NonFiniteGuard(t.nonfinite_steps_limit, t.precision, t.learning_rate, before_raise=checkpoints.drain)
 
@@ -93,7 +105,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             break
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
         for step_in_epoch, micro_batches in batches.epoch(epoch, first, policy.steps_per_epoch, window.clock):
-            loss, tokens = train_step(engine, micro_batches, step + 1, profiler, options)
+            loss, tokens = train_step(engine, micro_batches, step + 1, profiler, options, objective)
             step += 1
             checkpoints.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
@@ -253,20 +265,26 @@ def train_step(
     step: int,
     profiler: profiling.StepProfiler = profiling.OFF,
     options: dict[str, Any] | None = None,
+    objective: preference_train.Objective | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them);
-    `options`: more keyword arguments for the forward (app.model.loss_options). Returns the summed micro-batch
-    losses and the number of tokens that counted in the loss."""
+    `options`: more keyword arguments for the forward (app.model.loss_options); `objective`: preference tuning's
+    loss instead of the model's own. Returns the summed micro-batch losses and the number of tokens that counted in
+    the loss (preference pairs: every token of their sequences, which the loss reads)."""
     options = options or {}
     losses = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
     with profiler.step(step):
         for batch in micro_batches:
-            loss = faults.maybe_poison(engine(**batch, **options).loss, step)  # test-only NaN drill: off unless set
+            if objective is not None:
+                loss, _, read, _ = objective.loss(engine, batch)
+            else:
+                loss, read = engine(**batch, **options).loss, (batch["labels"][:, 1:] != -100).sum()
+            loss = faults.maybe_poison(loss, step)  # test-only NaN drill: off unless set
             engine.backward(loss)
             engine.step()
             losses += loss.detach()
-            tokens += (batch["labels"][:, 1:] != -100).sum()
+            tokens += read
     return losses, tokens
 
 
@@ -312,8 +330,10 @@ class Batches:
 
     loader: Any
     sampler: Any
+    train_set: Any
     eval_set: Any
     collate: Any
+    packed: bool  # documents packed into blocks and kept apart (the collator says where each begins)
     sequences: int
     micro_batch_size: int
     accumulation: int
@@ -333,14 +353,28 @@ class Batches:
         else:
             train_set, eval_set = open_splits(Path(where["prepared"]))
         collate = data.collator(cfg.data, tokenizer)
+        packed = collate is not None
+        if cfg.preference is not None:  # pairs: their answers found in every batch, packed or not
+            collate = data.PairCollator(tokenizer.eos_token_id, cfg.data.packing)
         loader = data.make_loader(
             train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate
         )
         sampler = loader.sampler
         loader = prepare_data_loader(loader, add_dist_sampler=False)
         return cls(
-            loader, sampler, eval_set, collate, len(train_set), t.micro_batch_size, t.gradient_accumulation_steps
+            loader,
+            sampler,
+            train_set,
+            eval_set,
+            collate,
+            packed,
+            len(train_set),
+            t.micro_batch_size,
+            t.gradient_accumulation_steps,
         )
+
+    def splits(self) -> dict[str, Any]:
+        return {"train": self.train_set} | ({"eval": self.eval_set} if self.eval_set is not None else {})
 
     def epoch(
         self, epoch: int, first: int, steps_per_epoch: int, clock: data.LoaderClock
@@ -356,6 +390,16 @@ class Batches:
 class CheckpointManager:
     """Every rank: when to save (`SavePolicy`), the save (`checkpoint.Saver`: in the background unless
     checkpoint.async_save is false) and the report to Ray of each checkpoint once it is complete on every rank."""
+
+    @classmethod
+    def of(cls, engine, hf_files, preempt: preemption.RankWatch, policy: SavePolicy, cfg: TrainingConfig, metrics):
+        """Over this rank's saver (its engine, the Hugging Face files each checkpoint carries, the preemption
+        watch's process group)."""
+        rank, world, lease_token = dist.get_rank(), dist.get_world_size(), preempt.token
+        saver = checkpoint.Saver(
+            engine, rank, world, dist.barrier, hf_files, lease_token, cfg.checkpoint.async_save, preempt.group
+        )
+        return cls(saver, policy, cfg, rank, world, metrics)
 
     def __init__(
         self, saver: checkpoint.Saver, policy: SavePolicy, cfg: TrainingConfig, rank: int, world: int, metrics
@@ -427,13 +471,15 @@ class CheckpointManager:
 
 
 class Window:
-    """Loss, tokens and time since the last progress line (kept on the device: one sync per line)."""
+    """Loss, tokens and time since the last progress line (kept on the device: one sync per line), and preference
+    tuning's metrics (`objective`)."""
 
-    def __init__(self, device):
+    def __init__(self, device, objective: preference_train.Objective | None = None):
         self.loss = torch.zeros((), device=device)
         self.tokens = torch.zeros((), device=device)
         self.steps, self.start = 0, time.perf_counter()
         self.clock = data.LoaderClock()
+        self.objective = objective
 
     def add(self, loss: torch.Tensor, tokens: torch.Tensor) -> None:
         self.loss += loss
@@ -441,11 +487,16 @@ class Window:
         self.steps += 1
 
     def report(self, engine, step: int, epoch: int, t: TrainConfig, world: int, metrics) -> float:
-        """The window's mean loss over every rank (logged on rank 0); starts a new window."""
-        stats = torch.stack([self.loss / (self.steps * t.gradient_accumulation_steps), self.tokens])
+        """The window's mean loss over every rank (logged on rank 0, with the objective's metrics, each averaged over
+        the window and the ranks too); starts a new window."""
+        extra = self.objective.take() if self.objective is not None else {}
+        names = sorted(extra)
+        stats = [self.loss / (self.steps * t.gradient_accumulation_steps), self.tokens]
+        stats = torch.stack(stats + [extra[name].to(self.loss.device, self.loss.dtype) for name in names])
         dist.all_reduce(stats)
         elapsed = time.perf_counter() - self.start
         loss, tokens = stats[0].item() / world, stats[1].item()
+        values = {name: value / world for name, value in zip(names, stats[2:].tolist())}
         if metrics:
             metrics.step(
                 step,
@@ -456,6 +507,7 @@ class Window:
                 tokens / elapsed / world,
                 elapsed / self.steps,
                 self.clock.take() / self.steps,
+                values,
             )
         self.loss.zero_(), self.tokens.zero_()
         self.steps, self.start = 0, time.perf_counter()
@@ -472,6 +524,7 @@ class Evaluator:
     world: int
     rank: int
     metrics: MetricsLogger | None
+    objective: preference_train.Objective | None = None
 
     def due(self, step: int) -> bool:
         every = self.cfg.train.eval_every_steps
@@ -481,6 +534,8 @@ class Evaluator:
         """The loss; None, with a warning, when the eval split holds no target token."""
         engine, t, eval_set = self.engine, self.cfg.train, self.batches.eval_set
         loader = data.make_eval_loader(eval_set, t.micro_batch_size, self.world, self.rank, self.batches.collate)
+        if self.objective is not None:
+            return self.run_pairs(step, loader)
         engine.eval()
         totals = torch.zeros(2, device=engine.device)
         with torch.no_grad():
@@ -503,6 +558,35 @@ class Evaluator:
         loss = (totals[0] / totals[1]).item()
         if self.metrics:
             self.metrics.eval(step, loss)
+        return loss
+
+    def run_pairs(self, step: int, loader) -> float | None:
+        """Preference tuning's loss and metrics over the eval split's pairs, each pair weighing the same."""
+        engine, limit = self.engine, self.cfg.train.eval_max_batches
+        engine.eval()
+        sums: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                if limit and i >= limit:
+                    break
+                batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                loss, metrics, _, pairs = self.objective.loss(engine, batch, keep=False)
+                if not pairs:  # EvalShard's repeated samples only: their values are NaN
+                    continue
+                for name, value in {"loss": loss, **metrics, "pairs": torch.ones((), device=engine.device)}.items():
+                    sums[name] = sums.get(name, 0.0) + value.float() * pairs
+        engine.train()
+        names = ["loss", "pairs", *sorted(self.objective.cfg_metrics())]
+        totals = preference_train.averaged({n: sums.get(n, 0.0) for n in names}, 1, engine.device)  # over the ranks
+        pairs = totals.pop("pairs", 0.0)
+        if not pairs:
+            if self.rank == 0:
+                log.warning(f"eval at step {step}: the eval split holds no preference pair to score")
+            return None
+        means = {name: value / pairs for name, value in totals.items()}
+        loss = means.pop("loss")
+        if self.metrics:
+            self.metrics.eval(step, loss, means)
         return loss
 
 
