@@ -140,14 +140,30 @@ GOOD = preference_rows(3, seed=5)
 @pytest.mark.parametrize(
     "bad, message, fix",
     [
-        ({"prompt": GOOD[0]["prompt"], "chosen": GOOD[0]["chosen"]}, "has no 'rejected'", "give every row a 'chosen' and a 'rejected'"),
+        (
+            {"prompt": GOOD[0]["prompt"], "chosen": GOOD[0]["chosen"]},
+            "has no 'rejected'",
+            "give every row a 'chosen' and a 'rejected'",
+        ),
         ({**GOOD[0], "rejected": GOOD[0]["chosen"]}, "the same 'chosen' and 'rejected'", "remove the row"),
         ({"prompt": "Q", "chosen": "A", "rejected": ""}, "has an empty 'rejected'", "fill it in"),
-        ({"prompt": "Q", "chosen": [{"role": "assistant", "content": "A"}], "rejected": "B"}, "mixes text and lists", "all as text"),
+        (
+            {"prompt": "Q", "chosen": [{"role": "assistant", "content": "A"}], "rejected": "B"},
+            "mixes text and lists",
+            "all as text",
+        ),
         ({"chosen": "A", "rejected": "B"}, "has no 'prompt'", "conversations that share their prompt turns"),
-        ({"prompt": [{"role": "user", "content": "Q"}], "chosen": [{"role": "user", "content": "A"}], "rejected": GOOD[0]["rejected"]}, "'chosen' has no assistant turn", "assistant turn"),
+        (
+            {
+                "prompt": [{"role": "user", "content": "Q"}],
+                "chosen": [{"role": "user", "content": "A"}],
+                "rejected": GOOD[0]["rejected"],
+            },
+            "'chosen' has no assistant turn",
+            "assistant turn",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_row_is_named_with_its_line_and_fix(tiny_model, tmp_path, bad, message, fix):
     path = write(tmp_path, [GOOD[1], bad, GOOD[2]])
     (problem,) = checks.check_source(config(tmp_path, tiny_model, path).data, preference=True)

@@ -134,8 +134,8 @@ def encode(row: dict[str, Any], template: Callable[[], str], tokenizer) -> tuple
 
 def fit(chosen: Encoded, rejected: Encoded, seq: int, packed: bool) -> tuple[tuple[Encoded, Encoded], bool] | None:
     """The pair within `seq` tokens (packed: both documents together; else each on its own), cut from the end of
-    the longer answer first, and whether an answer lost tokens; None when an answer would keep less than MIN_ANSWER_KEPT of
-    its tokens (or none)."""
+    the longer answer first, and whether an answer lost tokens; None when an answer would keep less than
+    MIN_ANSWER_KEPT of its tokens (or none)."""
     lengths = (len(chosen[0]), len(rejected[0]))
     caps = _shares(lengths, seq) if packed else (seq, seq)
     out, cut = [], False
