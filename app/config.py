@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -121,6 +122,9 @@ def _usable_path(v: str | None) -> str | None:
     return v
 
 
+UsablePath = Annotated[str, AfterValidator(_usable_path)]
+
+
 class LoraConfig(Section):
     r: int = Field(16, ge=1, le=4096, description="Rank of each adapter's low-rank update.")
     alpha: float = Field(32, gt=0, le=1e6, description="Scale of the update (alpha / r multiplies it).")
@@ -134,8 +138,8 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    name_or_path: str = Field("gpt2", description="Hugging Face hub name or a local from_pretrained folder.")
-    tokenizer: str | None = Field(None, description="Tokenizer name or folder; default: name_or_path.")
+    name_or_path: UsablePath = Field("gpt2", description="Hugging Face hub name or a local from_pretrained folder.")
+    tokenizer: UsablePath | None = Field(None, description="Tokenizer name or folder; default: name_or_path.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa",
         description="Attention kernel passed to from_pretrained. sdpa: PyTorch's, or the model's eager attention "
@@ -180,11 +184,6 @@ class ModelConfig(Section):
         "final/adapter/ the PEFT adapter. null: full fine-tuning.",
     )
 
-    @field_validator("name_or_path", "tokenizer")
-    @classmethod
-    def _path(cls, v: str | None) -> str | None:
-        return _usable_path(v)
-
 
 FORMATS = Literal["auto", "text", "chat", "prompt_completion", "preference"]
 SOURCE_KEYS = ("dataset", "split", "config_name", "format", "text_field", "chat_template")
@@ -193,7 +192,9 @@ SOURCE_KEYS = ("dataset", "split", "config_name", "format", "text_field", "chat_
 class SourceConfig(Section):
     """One source of a mixture (data.datasets); a key left out takes the data section's value."""
 
-    dataset: str = Field(..., description="As data.dataset: a hub dataset, local files or a save_to_disk folder.")
+    dataset: UsablePath = Field(
+        ..., description="As data.dataset: a hub dataset, local files or a save_to_disk folder."
+    )
     split: str | None = Field(None, description="As data.split; null: data.split.")
     config_name: str | None = Field(None, description="As data.config_name; null: data.config_name.")
     format: FORMATS | None = Field(None, description="As data.format; null: data.format.")
@@ -208,11 +209,6 @@ class SourceConfig(Section):
         "to run out allows; which rows, by train.seed.",
     )
 
-    @field_validator("dataset")
-    @classmethod
-    def _path(cls, v: str) -> str:
-        return _usable_path(v)
-
 
 class DataConfig(Section):
     # _one_eval_source, for helm: values.schema.json carries it to `helm install`.
@@ -223,7 +219,7 @@ class DataConfig(Section):
         }
     )
 
-    dataset: str = Field(
+    dataset: UsablePath = Field(
         "ag_news",
         description="Hub dataset name, a local file/folder/glob of json, jsonl, ndjson, csv, tsv, parquet or txt "
         "(.gz, .bz2, .xz compressed or not), or a save_to_disk folder. A folder's splits are its files' names as "
@@ -291,11 +287,6 @@ class DataConfig(Section):
         "null: the one source of data.dataset and the keys above. Each source's eval split (data.eval_split, or "
         "data.eval_fraction of its rows) joins the eval split whole.",
     )
-
-    @field_validator("dataset")
-    @classmethod
-    def _path(cls, v: str) -> str:
-        return _usable_path(v)
 
     def sources(self) -> list[tuple[DataConfig, float]]:
         """Each source as a data section of its own (the keys it leaves out from this one) and its weight; the

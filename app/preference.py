@@ -48,6 +48,11 @@ APPLIES_TO: dict[str, set[str]] = {
 }
 
 
+def _number(default: float, description: str, **bounds: float) -> Any:
+    """A hyper-parameter's field: a number only (strict: `true` is not 1), within `bounds`."""
+    return Field(default, strict=True, description=description, **bounds)
+
+
 class PreferenceConfig(BaseModel):
     """`preference:` of the training config; null trains SFT. Defaults are TRL 1.16's (DPOConfig, CPOConfig,
     ORPOConfig), except `cpo_alpha` (see below)."""
@@ -59,18 +64,14 @@ class PreferenceConfig(BaseModel):
         "sigmoid",
         description="sigmoid (DPO), ipo, simpo or orpo; simpo and orpo need no reference model.",
     )
-    beta: float = Field(
-        0.1,
-        gt=0,
-        strict=True,
-        description="How far the policy may move from the reference (DPO); IPO's tau; SimPO's reward scale.",
+    beta: float = _number(
+        0.1, "How far the policy may move from the reference (DPO); IPO's tau; SimPO's reward scale.", gt=0
     )
-    label_smoothing: float = Field(
+    label_smoothing: float = _number(
         0.0,
+        "Probability that a pair's preference is flipped (conservative DPO), for sigmoid and simpo.",
         ge=0,
         lt=0.5,
-        strict=True,
-        description="Probability that a pair's preference is flipped (conservative DPO), for sigmoid and simpo.",
     )
     reference: str = Field(
         "auto",
@@ -78,18 +79,12 @@ class PreferenceConfig(BaseModel):
         description="The reference model of sigmoid and ipo: auto (with LoRA the base model, adapters off; else "
         "the model before training, its log-probabilities computed once before training) or a model path.",
     )
-    simpo_gamma: float = Field(0.5, ge=0, strict=True, description="SimPO's target reward margin.")
-    cpo_alpha: float = Field(
-        0.0,
-        ge=0,
-        strict=True,
-        description="SimPO: weight of the chosen answers' NLL (TRL's CPO-SimPO when above 0; TRL's default is 1.0).",
+    simpo_gamma: float = _number(0.5, "SimPO's target reward margin.", ge=0)
+    cpo_alpha: float = _number(
+        0.0, "SimPO: weight of the chosen answers' NLL (TRL's CPO-SimPO when above 0; TRL's default is 1.0).", ge=0
     )
-    orpo_alpha: float = Field(
-        0.1,
-        gt=0,
-        strict=True,
-        description="ORPO's lambda (TRL's ORPOConfig.beta): weight of the odds-ratio term beside the NLL.",
+    orpo_alpha: float = _number(
+        0.1, "ORPO's lambda (TRL's ORPOConfig.beta): weight of the odds-ratio term beside the NLL.", gt=0
     )
 
     @model_validator(mode="after")
