@@ -91,7 +91,12 @@ CASES = {
         {},
         ("train.micro_batch_size", "whole number"),
     ),
-    "micro_batch_size 1.0e+12": (None, ["train.micro_batch_size=1.0e+12"], {}, ("train.micro_batch_size", "bound")),
+    "micro_batch_size 1.0e+12": (
+        None,
+        ["train.micro_batch_size=1.0e+12"],
+        {},
+        ("train.micro_batch_size", "from 1 to 65536"),
+    ),
     "gradient_accumulation 10^12": (
         None,
         ["train.gradient_accumulation_steps=1000000000000"],
