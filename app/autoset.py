@@ -270,11 +270,16 @@ def _resolve(cfg: TrainingConfig, shape: resolve.Shape, liger_on: bool, memory: 
     if not resolved.fits and kept.values and resolve.resolve(shape, gpus, memory, base).fits:
         kept.values.clear()
         resolved = resolve.resolve(shape, gpus, memory, base)
-    plain = resolved.zero_stage.value == 0 and resolved.pure_bf16.value
-    if STAGE not in kept.values and plain and kept.stage not in (None, 0) and base.zero_stage is None:
+    # app.checkpoint.ResumePlan converts between stages 1-3 only: auto keeps a checkpoint's stage rather than move to 0.
+    if (
+        STAGE not in kept.values
+        and resolved.zero_stage.value == 0
+        and kept.stage not in (None, 0)
+        and base.zero_stage is None
+    ):
         again = resolve.resolve(shape, gpus, memory, dataclasses.replace(request, zero_stage=kept.stage))
         if again.fits:
-            why = f"kept from {kept.checkpoint}: stage 0 with pure bf16 cannot load a checkpoint of another stage"
+            why = f"kept from {kept.checkpoint}: stage 0 cannot load a checkpoint of another stage"
             kept.values[STAGE] = (kept.stage, why)
             resolved = again
     return _with_reasons(resolved, kept)
@@ -316,8 +321,8 @@ def kept_choices(cfg: TrainingConfig, auto: tuple[str, ...], accepted: tuple[str
     if MICRO in auto and MICRO not in kept.values and isinstance(state.get("micro_batch_size"), int):
         why = f"kept from {latest.name}: the resume position counts its batches"
         kept.values[MICRO], kept.resumed_batch = (state["micro_batch_size"], why), True
-    if STAGE in auto and state.get("plain_bf16") and kept.stage is not None:
-        why = f"kept from {latest.name}, written by pure bf16 at stage 0: no stage change converts its optimizer state"
+    if STAGE in auto and kept.stage == 0:
+        why = f"kept from {latest.name}, written at stage 0: no stage change converts its optimizer state"
         kept.values[STAGE] = (kept.stage, why)
     return kept
 

@@ -26,7 +26,6 @@ from app import (
     attention,
     checkpoint,
     data,
-    ds_config,
     faults,
     logs,
     lora,
@@ -413,7 +412,6 @@ class CheckpointManager:
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
             "precision": t.precision,
             "zero_stage": cfg.zero_stage,  # a resume at another stage converts (checkpoint.ResumePlan)
-            "plain_bf16": ds_config.plain_bf16(cfg),  # the app's own AdamW: a stage change cannot convert its state
             "experiment": cfg.experiment.name,
         }
         self.saves: list[float] = []  # seconds each save of this attempt took, from its start until it was complete

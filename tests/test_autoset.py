@@ -385,17 +385,17 @@ def test_a_resume_keeps_the_checkpoints_micro_batch_halving_it_to_fit(tmp_path, 
 
 
 def test_a_resume_keeps_a_stage_that_no_stage_change_could_load(tmp_path, llama1b):
-    """Pure bf16 at stage 0 trains with the app's own AdamW, whose state no stage change converts: a redeploy on 2
+    """No stage change converts to or from stage 0 (app.checkpoint.ResumePlan): a stage-0 checkpoint's redeploy on 2
     GPUs stays at stage 0 where it fits; the other way round, a stage-2 checkpoint keeps stage 2 on one GPU rather
-    than take stage 0 with pure bf16."""
-    checkpoint(tmp_path, micro_batch_size=1, gradient_accumulation_steps=1, zero_stage=0, plain_bf16=True)
+    than take stage 0."""
+    checkpoint(tmp_path, micro_batch_size=1, gradient_accumulation_steps=1, zero_stage=0)
     two = parse(gpu_config(tmp_path, llama1b, **{"scaling.gpu_memory": "140GiB", "scaling.num_workers": 2}))
     assert autoset.settle(two).values["deepspeed.zero_optimization.stage"] == 0
     shutil.rmtree(tmp_path / "exp1")
     checkpoint(tmp_path, micro_batch_size=1, gradient_accumulation_steps=1, zero_stage=2)
     one = autoset.settle(parse(gpu_config(tmp_path, llama1b, **{"scaling.gpu_memory": "140GiB"})))
     assert one.values["deepspeed.zero_optimization.stage"] == 2 and one.values["train.pure_bf16"] is True
-    assert "stage 0 with pure bf16 cannot load a checkpoint of another stage" in "".join(one.lines)
+    assert "stage 0 cannot load a checkpoint of another stage" in "".join(one.lines)
 
 
 # --- the chart ------------------------------------------------------------------------------------------------
