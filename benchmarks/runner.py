@@ -175,6 +175,11 @@ def startup_phases(metrics: Path, records: list[dict[str, Any]], launch: float) 
     return out
 
 
+# Preference tuning's metrics (TRL's names, in the app's metrics.jsonl and TRL's logs) that the records keep, per
+# logged step, beside the losses.
+PREFERENCE_LOGGED = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")
+
+
 def summarise(records: list[dict[str, Any]], warmup: int, launch: float, profiled: int | None = None) -> dict[str, Any]:
     """Figures over the timed steps: those after `warmup`, but not the `profiled` one (the profiler slows it); and
     each logged step's time and wait for data, as the run's own storage does not outlive the case."""
@@ -186,6 +191,8 @@ def summarise(records: list[dict[str, Any]], warmup: int, launch: float, profile
         "step_times_s": [round(r["step_time_s"], 4) for r in records],
         "data_waits_s": [round(r.get("data_wait_s", 0.0), 4) for r in records],
     }
+    if records and PREFERENCE_LOGGED[0] in records[0]:
+        out["metrics"] = {name: [round(r[name], 4) for r in records] for name in PREFERENCE_LOGGED}
     if records:
         out["time_to_first_step_s"] = round(records[0]["time"] - launch, 2)
     if not timed:
@@ -391,13 +398,14 @@ def measure_checkpoint(
     return out
 
 
-# ---- the peer runners (Hugging Face Trainer, TRL's SFTTrainer) -------------------------------------------
+# ---- the peer runners (Hugging Face Trainer, TRL's SFTTrainer and DPOTrainer) ---------------------------
 
 # runner name: the module torchrun starts, and its extra arguments
 PEERS = {
     "hf": ("benchmarks.hf_trainer", []),
     "trl": ("benchmarks.trl_sft", []),  # plain PyTorch on one GPU
     "trl-ds": ("benchmarks.trl_sft", ["--deepspeed"]),  # with the app's ds_config
+    "trl-dpo": ("benchmarks.trl_dpo", []),  # TRL's DPOTrainer, plain PyTorch on one GPU
 }
 
 
@@ -437,6 +445,14 @@ def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: P
     if out_json.exists():
         return json.loads(out_json.read_text())
     return {"error": f"{failure or 'no result'}: {error_lines(log_path.read_text(errors='replace'))}"}
+
+
+def method_of(cfg) -> str:
+    """What a config trains, for the records' `method` (bench.peer_table pairs app and peer cases of one method
+    only): sft, or the preference loss (dpo for sigmoid; ipo, simpo, orpo)."""
+    if cfg.preference is None:
+        return "sft"
+    return {"sigmoid": "dpo"}.get(cfg.preference.loss, cfg.preference.loss)
 
 
 def settled_config(cfg, gpu_memory: int | None = None):
