@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -201,7 +202,17 @@ def conversation(rng: np.random.Generator, words: np.ndarray) -> list[dict[str, 
 def chat_corpus(root: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
     """A jsonl file of {"messages": [...]} conversations (conversation()), about `tokens` words in all; each word
     one token of model_folder's tokenizer, so the lengths are the token lengths (plus the template's tokens)."""
-    out = root / "data" / f"chat-v{vocab}-{tokens}.jsonl"
+
+    def draw(rng: np.random.Generator, words: np.ndarray) -> tuple[dict[str, Any], int]:
+        messages = conversation(rng, words)
+        return {"messages": messages}, sum(len(m["content"].split()) for m in messages)
+
+    return rows_file(root / "data" / f"chat-v{vocab}-{tokens}.jsonl", vocab, tokens, seed, draw)
+
+
+def rows_file(out: Path, vocab: int, tokens: int, seed: int, draw: Callable) -> Path:
+    """`out`, a jsonl file of the rows `draw(rng, words)` gives (each with its count of words) until `tokens` words,
+    the words those of model_folder's tokenizer for `vocab`; written once (a temporary file renamed into place)."""
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -211,8 +222,60 @@ def chat_corpus(root: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
     with tmp.open("w") as f:
         written = 0
         while written < tokens:
-            messages = conversation(rng, words)
-            f.write(json.dumps({"messages": messages}) + "\n")
-            written += sum(len(m["content"].split()) for m in messages)
+            row, n = draw(rng, words)
+            f.write(json.dumps(row) + "\n")
+            written += n
     tmp.rename(out)
     return out
+
+
+# Preference pairs (TRL's conversational form): a user prompt (after a system prompt half the time) and two assistant
+# answers, UltraFeedback-like lengths in tokens (log-normal, clipped) for blocks of PAIR_BLOCK tokens, scaled to others.
+PAIR_BLOCK = 2048
+PAIR_TURNS = {
+    "system": Lengths("system", 40, 0.6, 8, 200),
+    "user": Lengths("user", 220, 0.8, 16, 800),
+    "assistant": Lengths("assistant", 380, 0.6, 32, 900),
+}
+
+
+def pair_room(block: int) -> int:
+    """Tokens of a block left to the template (a marker and an EOS a message: 12 for a pair of three-message
+    sequences) and to spare."""
+    return max(16, block // 32)
+
+
+def pair_words(pair: dict[str, list[dict[str, str]]]) -> int:
+    """Words of a pair as the app packs it: the prompt twice (once before each answer) and both answers."""
+    words = {key: sum(len(m["content"].split()) for m in pair[key]) for key in ("prompt", "chosen", "rejected")}
+    return 2 * words["prompt"] + words["chosen"] + words["rejected"]
+
+
+def preference_pair(rng: np.random.Generator, words: np.ndarray, block: int) -> dict[str, list[dict[str, str]]]:
+    """One pair whose prompt (twice) and two answers are more than half of `block` tokens and fit it with the
+    template's tokens: drawn again until they do. Packed by the app (a pair's two sequences in one block), each block
+    then holds exactly one pair, so a micro-batch of blocks is one of pairs, as TRL's is; and no sequence is cut on
+    either side (TRL's max_length, the same `block`, applies to each sequence alone)."""
+    while True:
+        prompt = [("system", PAIR_TURNS["system"])] if rng.random() < 0.5 else []
+        turns = [*prompt, ("user", PAIR_TURNS["user"]), ("chosen", PAIR_TURNS["assistant"])]
+        turns.append(("rejected", PAIR_TURNS["assistant"]))
+        pair: dict[str, list[dict[str, str]]] = {"prompt": [], "chosen": [], "rejected": []}
+        for role, lengths in turns:
+            n = max(1, round(int(lengths.sample(rng, 1)[0]) * block / PAIR_BLOCK))
+            content = " ".join(words[rng.integers(0, len(words), n)])
+            key = role if role in ("chosen", "rejected") else "prompt"
+            pair[key].append({"role": "assistant" if key != "prompt" else role, "content": content})
+        if block // 2 < pair_words(pair) <= block - pair_room(block):
+            return pair
+
+
+def preference_corpus(root: Path, vocab: int, tokens: int, block: int, seed: int = 0) -> Path:
+    """A jsonl file of {"prompt", "chosen", "rejected"} message lists (preference_pair() for blocks of `block`
+    tokens), about `tokens` words of packed pairs in all; each word one token of model_folder's tokenizer."""
+
+    def draw(rng: np.random.Generator, words: np.ndarray) -> tuple[dict[str, Any], int]:
+        pair = preference_pair(rng, words, block)
+        return pair, pair_words(pair)
+
+    return rows_file(root / "data" / f"pairs-v{vocab}-b{block}-{tokens}.jsonl", vocab, tokens, seed, draw)
