@@ -39,7 +39,17 @@ from app.config import AUTO_FIELDS, BEFORE_AUTO, ConfigError
 from app.resolve import parse_memory
 from benchmarks import assets
 from benchmarks.make_weights import weights_folder
-from benchmarks.runner import PEERS, REPO, Case, bench_env, peer_command, run_app, run_hf, settled_config
+from benchmarks.runner import (
+    PEERS,
+    REPO,
+    Case,
+    bench_env,
+    method_of,
+    peer_command,
+    run_app,
+    run_hf,
+    settled_config,
+)
 
 MFU_FORMULA = (
     "MFU = real tokens/s/GPU x (6 x parameters + 12 x layers x hidden x seq_length) / peak; "
@@ -80,6 +90,17 @@ FULL_8B = {"model.gradient_checkpointing": True, "train.learning_rate": 2e-5}
 EIGHT_B = {"warmup": 2, "steps": 8, "timeout": 300}
 EIGHT_B_STEPS = {"warmup": 2, "steps": 8}
 LORA_8B = {"warmup": 2, "steps": 5}
+# DPO (issue #51): preference pairs in TRL's conversational form with the zephyr template, each pair's two sequences
+# packed into one block (the app's way); the sigmoid loss at beta 0.1 against the base model (LoRA's adapters off, as
+# TRL's DPOTrainer does with a peft model). LoRA as the chat cases' but without dropout: TRL's DPOTrainer disables
+# dropout by default (disable_dropout), the app leaves the model's as configured.
+DPO = {
+    "data.format": "preference",
+    "data.chat_template": "zephyr",
+    "data.packing": True,
+    "preference": {"loss": "sigmoid", "beta": 0.1},
+}
+LORA_DPO = {"model.lora": {**LORA["model.lora"], "dropout": 0.0}}
 
 
 def tutorial(name: str = "tutorial", **kw) -> Case:
@@ -122,6 +143,20 @@ def chat_case(name: str, shape: str, mb: int, stage: int, lora: bool, runner: st
     sets = {**ONE_GPU, "train.learning_rate": 2e-4, **CHAT, **(LORA if lora else {}), **kw.pop("sets", {})}
     case = llama(name, shape, mb, stage, runner=runner, lengths="chat", weights=True, sets=sets, **kw)
     return dataclasses.replace(case, corpus_tokens=700_000 if shape == "llama-1.1b" else 250_000)
+
+
+def dpo_case(name: str, shape: str, mb: int, runner: str = "app", **kw) -> Case:
+    """DPO with LoRA on one GPU (issue #51): assets.preference_corpus's pairs (UltraFeedback-like lengths, every pair
+    more than half a 2048-token block: one pair a block, so the micro-batch is `mb` pairs on both sides), blocks of
+    2048 (a pair's two sequences together: TRL's usual max_length of 1024 a sequence, as alignment-handbook's DPO
+    recipes set it; TRL's max_length here is the same 2048 a sequence, which cuts none of them), Liger on, weights
+    from a safetensors folder, lr 5e-6 (a LoRA DPO run's usual). The ZeRO stage, pure bf16, checkpointing and
+    micro-batch are set (the app's auto settings refuse preference runs on GPUs: app.autoset has no memory model of
+    the pairs' logits): stage 0 and pure bf16, the fast path on one GPU, no checkpointing. The same config file
+    drives the app and TRL's DPOTrainer (runner trl-dpo)."""
+    sets = {**ONE_GPU, **STAGE0, **DPO, **LORA_DPO, "train.learning_rate": 5e-6, **kw.pop("sets", {})}
+    case = llama(name, shape, mb, 0, runner=runner, lengths="preference", weights=True, sets=sets, **kw)
+    return dataclasses.replace(case, corpus_tokens=400_000 if shape == "llama-1.1b" else 150_000)
 
 
 def defaults_case(shape: str, lora: bool, runner: str = "app", **kw) -> Case:
@@ -178,6 +213,7 @@ def save_case(name: str, shape: str, mb: int, every: int, background: bool, **kw
 CPU = {"scaling.use_gpu": False, "scaling.cpus_per_worker": 1}
 TINY = {"data.seq_length": 128, "train.micro_batch_size": 2}
 SMOKE = {"corpus_tokens": 50_000, "warmup": 1, "steps": 3}
+SMOKE_DPO = {**DPO, **LORA_DPO, "data.seq_length": 256, "train.micro_batch_size": 2, "train.learning_rate": 1e-3}
 
 
 # The Llama 1.1B text case on one GPU (ZeRO-3 then partitions nothing: the model, kernels, packing and loop), and
@@ -229,6 +265,12 @@ SUITES: dict[str, list[Case]] = {
         chat_case("chat-q05-full-z0-pure", "qwen2-0.5b", 8, 0, False, sets=STAGE0, estimate=60, timeout=180),
         chat_case("chat-q05-full-z0-pure-20", "qwen2-0.5b", 8, 0, False, sets=STAGE0, steps=20, estimate=60),
         chat_case("trl-chat-q05-full-20", "qwen2-0.5b", 8, 3, False, runner="trl", steps=20, estimate=40),
+        # DPO with LoRA (issue #51 item 6) against TRL's DPOTrainer: the 1.1B, 8 pairs a step, then the 8B (its
+        # weights, 16 GB, written first), 4 pairs a step; each pair in one device call (docs/benchmarks.md).
+        dpo_case("dpo-l1b-lora-z0-pure", "llama-1.1b", 8, estimate=90, timeout=180),
+        dpo_case("trl-dpo-l1b-lora", "llama-1.1b", 8, runner="trl-dpo", estimate=60, timeout=180),
+        dpo_case("dpo-l8b-lora-z0-pure", "llama-8b", 4, **LORA_8B, estimate=150, timeout=300),
+        dpo_case("trl-dpo-l8b-lora", "llama-8b", 4, runner="trl-dpo", **LORA_8B, estimate=190, timeout=300),
     ],
     # The 8B shape against TRL (1 x H200; its weights folder, 16 GB, is written first): full-parameter with
     # model.fp8 and in bf16, then LoRA.
@@ -305,6 +347,17 @@ PLUMBING: dict[str, list[Case]] = {
         Case("smoke-llama-z2", "tiny-llama", {**CPU, **TINY, "deepspeed.zero_optimization.stage": 2}, **SMOKE),
         Case("smoke-llama-z3-ckpt", "tiny-llama", {**CPU, **TINY}, checkpoint=True, **SMOKE),
         Case("smoke-hf-z3", "tiny-llama", {**CPU, **TINY}, runner="hf", **SMOKE),
+        # DPO with LoRA: the app (2 workers, ZeRO-3) and TRL's DPOTrainer (one process) on the same tiny pairs.
+        Case("smoke-dpo-lora", "tiny-llama", {**CPU, **SMOKE_DPO}, lengths="preference", weights=True, **SMOKE),
+        Case(
+            "smoke-trl-dpo",
+            "tiny-llama",
+            {**CPU, **SMOKE_DPO, **ONE_GPU},
+            runner="trl-dpo",
+            lengths="preference",
+            weights=True,
+            **SMOKE,
+        ),
     ],
 }
 
@@ -328,6 +381,8 @@ def case_config(case: Case, work: Path) -> tuple[dict[str, Any], assets.Shape]:
         source = str(weights_folder(work, shape))
     if case.lengths == "chat":
         corpus = assets.chat_corpus(work, shape.vocab, case.corpus_tokens)
+    elif case.lengths == "preference":  # pairs for blocks of the case's length
+        corpus = assets.preference_corpus(work, shape.vocab, case.corpus_tokens, case.sets["data.seq_length"])
     else:
         corpus = assets.corpus(work, assets.LENGTHS[case.lengths], shape.vocab, case.corpus_tokens)
     if case.config:
@@ -489,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(run_hf(case, cfg_path, row["workers"], work / f"{case.name}.json", log_path))
             else:
                 row.update(run_app(case, cfg_path, run_dir, work / "cache", log_path))
+                if pairs := pairs_per_s(row):
+                    row["pairs_per_s"] = round(pairs, 2)
         except Exception as exc:  # noqa: BLE001 - one broken case must not end the suite
             row["error"] = f"harness: {type(exc).__name__}: {exc}"
         row["wall_s"] = round(time.time() - started, 1)
@@ -535,6 +592,7 @@ def _knobs(
         "ds_config": ds,
         "lora": cfg.model.lora.model_dump() if cfg.model.lora else None,
         "format": cfg.data.format,
+        "method": method_of(cfg),  # sft, or the preference loss (dpo, ...): peer_table pairs within a method
         "command": " ".join(["python", *peer_command(runner, cfg_path, workers)[1:]])
         if runner in PEERS
         else f"python -m app.cli train {cfg_path}",
@@ -593,24 +651,49 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def peer_table(results: list[dict[str, Any]]) -> str:
-    """Each app chat case against the TRL cases of its shape and kind (LoRA or full): tokens/s ratio, memory, the
-    first and last losses of both."""
-    done = [r for r in results if r.get("format") == "chat" and r.get("tokens_per_s_per_gpu")]
+    """Each app chat or preference case against the TRL cases of its shape, kind (LoRA or full) and method (SFT, DPO:
+    a DPO case is never compared with an SFT one): tokens/s ratio (and pairs/s for preference runs), memory, the first
+    and last losses of both and, for preference runs, the mean reward accuracy over the timed steps of both."""
+    done = [r for r in results if r.get("format") in ("chat", "preference") and r.get("tokens_per_s_per_gpu")]
     lines = []
     for app in (r for r in done if r["runner"] == "app"):
         for peer in (r for r in done if r["runner"].startswith("trl") and r["shape"] == app["shape"]):
-            if bool(peer.get("lora")) != bool(app.get("lora")):
+            if bool(peer.get("lora")) != bool(app.get("lora")) or peer.get("method", "sft") != app.get("method", "sft"):
                 continue
             ratio = app["tokens_per_s_per_gpu"] / peer["tokens_per_s_per_gpu"]
+            pairs = [pairs_per_s(x) for x in (app, peer)]
+            by_pairs = f"{pairs[0] / pairs[1]:.2f}x" if all(pairs) else "-"
             losses = [f"{x['losses'][0]}->{x['losses'][-1]}" if x.get("losses") else "-" for x in (app, peer)]
+            accuracy = " / ".join(timed_mean(x, "rewards/accuracies") for x in (app, peer))
             lines.append(
-                f"| {app['case']} | {peer['case']} | {ratio:.2f}x | {app.get('peak_mem_gib')} | "
-                f"{peer.get('peak_mem_gib')} | {losses[0]} | {losses[1]} |"
+                f"| {app['case']} | {peer['case']} | {app.get('method', 'sft')} | {ratio:.2f}x | {by_pairs} | "
+                f"{app.get('peak_mem_gib')} | {peer.get('peak_mem_gib')} | {losses[0]} | {losses[1]} | {accuracy} |"
             )
     if not lines:
         return ""
-    head = "| app case | TRL case | app/TRL tok/s | app GiB | TRL GiB | app loss first->last | TRL loss first->last |"
-    return "\n" + "\n".join([head, "|---|---|---|---|---|---|---|", *lines]) + "\n"
+    head = (
+        "| app case | TRL case | method | app/TRL tok/s | app/TRL pairs/s | app GiB | TRL GiB | app loss first->last "
+        "| TRL loss first->last | reward acc. app / TRL |"
+    )
+    return "\n" + "\n".join([head, "|---|---|---|---|---|---|---|---|---|---|", *lines]) + "\n"
+
+
+def pairs_per_s(r: dict[str, Any]) -> float | None:
+    """A preference record's pairs a second: TRL's peer counts them; the app's DPO cases hold one pair a block
+    (assets.preference_pair: every pair more than half a block), so its pairs a step are its blocks a step."""
+    if r.get("method", "sft") == "sft" or not r.get("step_s"):
+        return None
+    if r.get("pairs_per_s"):
+        return r["pairs_per_s"]
+    return r["micro_batch"] * r["grad_accum"] * r["workers"] / r["step_s"] if r["runner"] == "app" else None
+
+
+def timed_mean(r: dict[str, Any], name: str) -> str:
+    """The mean of a logged metric over a record's timed steps (the app: those after its warm-up; TRL: the windows
+    its clock timed), or '-'."""
+    values = (r.get("metrics") or {}).get(name) or []
+    timed = values[len(values) - r.get("steps_timed", 0) :] if r.get("steps_timed") else values
+    return f"{sum(timed) / len(timed):.3f}" if timed else "-"
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def test_every_gpu_case_is_a_valid_config_with_the_defaults_ds_config(tmp_path):
 
 
 def test_chat_cases_pair_the_app_with_trl_on_the_same_config(tmp_path):
-    chat = [*bench.SUITES["trl"], *bench.SUITES["trl-8b"]]
+    chat = [c for c in [*bench.SUITES["trl"], *bench.SUITES["trl-8b"]] if c.lengths == "chat"]
     knobs = {case.name: k for case, k in _configs(tmp_path, chat)}
     for name, k in knobs.items():
         assert k["workers"] == 1 and k["format"] == "chat" and k["liger"] is True and k["packing"], (name, k)
@@ -87,6 +87,79 @@ def test_chat_cases_pair_the_app_with_trl_on_the_same_config(tmp_path):
             assert {key: k[key] for key in same} == {key: knobs[app_twin][key] for key in same}, (name, app_twin)
             assert "-m benchmarks.trl_sft" in k["command"] and "--deepspeed" not in k["command"], name
     assert sum(name.startswith("trl") for name in knobs) == 5
+
+
+def test_dpo_cases_pair_the_app_with_trls_dpo_trainer_on_the_same_config(tmp_path):
+    """Issue #51 item 6: DPO with LoRA r=16 of the 1.1B and 8B shapes on one GPU, the settings the app's auto cannot
+    choose for preference runs set (stage 0, pure bf16, no checkpointing, the micro-batch), each beside TRL's
+    DPOTrainer on the same config file."""
+    cases = [c for c in bench.SUITES["trl"] if c.lengths == "preference"]
+    assert {(c.shape, c.runner) for c in cases} == {
+        (shape, runner) for shape in ("llama-1.1b", "llama-8b") for runner in ("app", "trl-dpo")
+    }
+    knobs = {case.name: k for case, k in _configs(tmp_path, cases, gpu_memory=143_771 * 2**20)}
+    for case in cases:
+        k = knobs[case.name]
+        assert not isinstance(k, ConfigError), (case.name, k)
+        assert (k["format"], k["method"], k["workers"], k["seq"], k["packing"], k["liger"]) == (
+            "preference",
+            "dpo",
+            1,
+            2048,
+            True,
+            True,
+        ), (case.name, k)
+        assert (k["stage"], k["pure_bf16"], k["act_ckpt"], k["defaults"]) == (0, True, False, False), case.name
+        assert k["lora"]["r"] == 16 and k["lora"]["dropout"] == 0.0, case.name
+        if case.runner == "trl-dpo":
+            app = knobs[case.name.removeprefix("trl-dpo-").join(["dpo-", "-z0-pure"])]
+            same = ("micro_batch", "seq", "grad_accum", "lora", "liger", "act_ckpt", "ds_config")
+            assert {key: k[key] for key in same} == {key: app[key] for key in same}, case.name
+            assert "-m benchmarks.trl_dpo" in k["command"] and "--deepspeed" not in k["command"], case.name
+
+
+def test_preference_corpus_is_deterministic_and_one_pair_fills_more_than_half_a_block(tmp_path):
+    """Each pair, as the app encodes it (its two sequences packed together), is more than half a block and fits it:
+    a packed block holds one pair, so the app's micro-batch of blocks is one of pairs, as TRL's is; no sequence is
+    cut on either side."""
+    from transformers import AutoTokenizer
+
+    from app.data import pairs
+
+    shape = assets.SHAPES["llama-1.1b"]
+    path = assets.preference_corpus(tmp_path / "a", shape.vocab, 60_000, 2048)
+    assert path.read_text() == assets.preference_corpus(tmp_path / "b", shape.vocab, 60_000, 2048).read_text()
+    tok = AutoTokenizer.from_pretrained(assets.tokenizer_folder(assets.model_folder(tmp_path, shape)))
+    template = chat.TEMPLATES["zephyr"]
+    for line in path.read_text().splitlines()[:60]:
+        row = json.loads(line)
+        assert pairs.row_problem(row) is None and row["prompt"][-1]["role"] == "user", row
+        chosen, rejected = pairs.encode(row, lambda: template, tok)
+        assert 1024 < len(chosen[0]) + len(rejected[0]) <= 2048, row
+        assert pairs.fit(chosen, rejected, 2048, packed=True) == ((chosen, rejected), False)
+
+
+def test_the_peer_table_compares_dpo_with_dpo_only():
+    def row(case, runner, method, tps, **kw):
+        base = {"case": case, "runner": runner, "shape": "llama-1.1b", "lora": {"r": 16}, "method": method}
+        fmt = "preference" if method == "dpo" else "chat"
+        return {**base, "format": fmt, "tokens_per_s_per_gpu": tps, "losses": [0.69, 0.68], **kw}
+
+    dpo = {"micro_batch": 8, "grad_accum": 1, "workers": 1, "step_s": 1.0, "steps_timed": 2}
+    results = [
+        row("sft-app", "app", "sft", 100.0),
+        row("dpo-app", "app", "dpo", 60.0, metrics={"rewards/accuracies": [0.1, 0.5, 0.7]}, **dpo),
+        row("trl-sft", "trl", "sft", 50.0),
+        row("trl-dpo", "trl-dpo", "dpo", 40.0, pairs_per_s=4.0, step_s=2.0, metrics={"rewards/accuracies": [0.5]}),
+    ]
+    lines = [
+        line for line in bench.peer_table(results).splitlines() if line.startswith("| ") and "app case" not in line
+    ]
+    assert [line.split(" | ")[:4] for line in lines] == [
+        ["| sft-app", "trl-sft", "sft", "2.00x"],
+        ["| dpo-app", "trl-dpo", "dpo", "1.50x"],
+    ]
+    assert lines[1].split(" | ")[4] == "2.00x" and lines[1].endswith("| 0.600 / 0.500 |"), lines[1]
 
 
 def test_the_defaults_suite_sets_nothing_the_app_chooses_and_records_what_it_chose(tmp_path):
