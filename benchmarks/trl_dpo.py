@@ -6,8 +6,9 @@ Run under torchrun (one process per GPU), from a training config YAML of this ap
     python -m torch.distributed.run --standalone --nproc_per_node 1 -m benchmarks.trl_dpo --config C.yaml [--deepspeed]
 
 What is shared with `finetune train` (benchmarks.trl_peer, as benchmarks.trl_sft shares it): the model folder (TRL
-loads it itself, bf16), the attention kernel, the chat template (`data.chat_template`), the LoRA r/alpha/dropout and
-the target modules the app resolves, Liger's layer kernels (TRL 1.16's DPOTrainer takes `use_liger_kernel` for the
+loads it itself, bf16), the attention kernel (registered without a mask function, so each of TRL's right-padded rows
+runs the varlen FlashAttention as one causal sequence: no token sees the padding after it), the chat template
+(`data.chat_template`), the LoRA r/alpha/dropout and the target modules the app resolves, Liger's layer kernels (TRL 1.16's DPOTrainer takes `use_liger_kernel` for the
 layers only and computes the log-probabilities with its own chunked LM head; DPOConfig has no `use_liger_loss`),
 the micro-batch, accumulation, learning rate, clipping and a fused torch AdamW; and for DPO: the jsonl of pairs
 (TRL's conversational prompt/chosen/rejected), `max_length` = `data.seq_length`, the loss (`loss_type`, `beta`,
