@@ -5,19 +5,19 @@ batch as a preference training config of this app (`data.format: preference`, `p
 Run under torchrun (one process per GPU), from a training config YAML of this app:
     python -m torch.distributed.run --standalone --nproc_per_node 1 -m benchmarks.trl_dpo --config C.yaml [--deepspeed]
 
-What is shared with `finetune train` (benchmarks.trl_peer, as benchmarks.trl_sft shares it): the model folder (TRL
-loads it itself, bf16), the attention kernel (registered without a mask function, so each of TRL's right-padded rows
-runs the varlen FlashAttention as one causal sequence: no token sees the padding after it), the chat template
-(`data.chat_template`), the LoRA r/alpha/dropout and the target modules the app resolves, Liger's layer kernels (TRL 1.16's DPOTrainer takes `use_liger_kernel` for the
-layers only and computes the log-probabilities with its own chunked LM head; DPOConfig has no `use_liger_loss`),
-the micro-batch, accumulation, learning rate, clipping and a fused torch AdamW; and for DPO: the jsonl of pairs
-(TRL's conversational prompt/chosen/rejected), `max_length` = `data.seq_length`, the loss (`loss_type`, `beta`,
-`label_smoothing` of `preference`) and the reference: with LoRA, the base model with the adapters switched off, which
-is what DPOTrainer does with a peft model (no reference model in memory), as the app's `reference: auto` does.
-What differs is each side's own way: TRL pads each micro-batch's 2 x micro-batch sequences (chosen, rejected) to the
-longest of them (its `padding_free` is off in 1.16); the app packs each pair's two sequences into a block of
-`data.seq_length` (bench's DPO corpus has every pair longer than half a block, so a block holds one pair and the
-micro-batch is a number of pairs on both sides).
+What is shared with `finetune train` (benchmarks.trl_peer, as benchmarks.trl_sft shares it): the model folder (TRL loads
+it itself, bf16), the attention kernel (registered without a mask function, so each of TRL's right-padded rows runs the
+varlen FlashAttention as one causal sequence: no token sees the padding after it), the chat template
+(`data.chat_template`), the LoRA r/alpha/dropout and the target modules the app resolves, Liger's layer kernels (TRL
+1.16's DPOTrainer takes `use_liger_kernel` for the layers only and computes the log-probabilities with its own chunked
+LM head; DPOConfig has no `use_liger_loss`), the micro-batch, accumulation, learning rate, clipping and a fused torch
+AdamW; and for DPO: the jsonl of pairs (TRL's conversational prompt/chosen/rejected), `max_length` = `data.seq_length`,
+the loss (`loss_type`, `beta`, `label_smoothing` of `preference`) and the reference: with LoRA, the base model with the
+adapters switched off, which is what DPOTrainer does with a peft model (no reference model in memory), as the app's
+`reference: auto` does. What differs is each side's own way: TRL pads each micro-batch's 2 x micro-batch sequences
+(chosen, rejected) to the longest of them (its `padding_free` is off in 1.16); the app packs each pair's two sequences
+into a block of `data.seq_length` (bench's DPO corpus has every pair longer than half a block, so a block holds one pair
+and the micro-batch is a number of pairs on both sides).
 
 Step times are taken at each logged step after `torch.cuda.synchronize()`; tokens/s counts every token of the chosen
 and rejected sequences (prompt and answer, padding left out), as the app's preference loop counts the tokens its
