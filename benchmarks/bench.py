@@ -544,8 +544,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(run_hf(case, cfg_path, row["workers"], work / f"{case.name}.json", log_path))
             else:
                 row.update(run_app(case, cfg_path, run_dir, work / "cache", log_path))
-                if pairs := pairs_per_s(row):
-                    row["pairs_per_s"] = round(pairs, 2)
+                if case.lengths == "preference" and row.get("step_s"):  # one pair a block: assets.preference_pair
+                    row["pairs_per_s_per_gpu"] = round(row["micro_batch"] * row["grad_accum"] / row["step_s"], 2)
         except Exception as exc:  # noqa: BLE001 - one broken case must not end the suite
             row["error"] = f"harness: {type(exc).__name__}: {exc}"
         row["wall_s"] = round(time.time() - started, 1)
@@ -661,7 +661,7 @@ def peer_table(results: list[dict[str, Any]]) -> str:
             if bool(peer.get("lora")) != bool(app.get("lora")) or peer.get("method", "sft") != app.get("method", "sft"):
                 continue
             ratio = app["tokens_per_s_per_gpu"] / peer["tokens_per_s_per_gpu"]
-            pairs = [pairs_per_s(x) for x in (app, peer)]
+            pairs = [x.get("pairs_per_s_per_gpu") for x in (app, peer)]
             by_pairs = f"{pairs[0] / pairs[1]:.2f}x" if all(pairs) else "-"
             losses = [f"{x['losses'][0]}->{x['losses'][-1]}" if x.get("losses") else "-" for x in (app, peer)]
             accuracy = " / ".join(timed_mean(x, "rewards/accuracies") for x in (app, peer))
@@ -676,16 +676,6 @@ def peer_table(results: list[dict[str, Any]]) -> str:
         "| TRL loss first->last | reward acc. app / TRL |"
     )
     return "\n" + "\n".join([head, "|---|---|---|---|---|---|---|---|---|---|", *lines]) + "\n"
-
-
-def pairs_per_s(r: dict[str, Any]) -> float | None:
-    """A preference record's pairs a second: TRL's peer counts them; the app's DPO cases hold one pair a block
-    (assets.preference_pair: every pair more than half a block), so its pairs a step are its blocks a step."""
-    if r.get("method", "sft") == "sft" or not r.get("step_s"):
-        return None
-    if r.get("pairs_per_s"):
-        return r["pairs_per_s"]
-    return r["micro_batch"] * r["grad_accum"] * r["workers"] / r["step_s"] if r["runner"] == "app" else None
 
 
 def timed_mean(r: dict[str, Any], name: str) -> str:

@@ -212,7 +212,7 @@ def write_result(
         pairs = sum(c[1] for c in counts)
         result |= {
             "pairs_per_step": round(pairs / len(counts) / every, 2),
-            "pairs_per_s": round(pairs / sum(times) / every, 2),
+            "pairs_per_s_per_gpu": round(pairs / sum(times) / every, 2),
         }
     if clock.metrics:
         result["metrics"] = clock.metrics

@@ -145,12 +145,20 @@ def test_the_peer_table_compares_dpo_with_dpo_only():
         fmt = "preference" if method == "dpo" else "chat"
         return {**base, "format": fmt, "tokens_per_s_per_gpu": tps, "losses": [0.69, 0.68], **kw}
 
-    dpo = {"micro_batch": 8, "grad_accum": 1, "workers": 1, "step_s": 1.0, "steps_timed": 2}
+    dpo = {"pairs_per_s_per_gpu": 8.0, "step_s": 1.0, "steps_timed": 2}
     results = [
         row("sft-app", "app", "sft", 100.0),
         row("dpo-app", "app", "dpo", 60.0, metrics={"rewards/accuracies": [0.1, 0.5, 0.7]}, **dpo),
         row("trl-sft", "trl", "sft", 50.0),
-        row("trl-dpo", "trl-dpo", "dpo", 40.0, pairs_per_s=4.0, step_s=2.0, metrics={"rewards/accuracies": [0.5]}),
+        row(
+            "trl-dpo",
+            "trl-dpo",
+            "dpo",
+            40.0,
+            pairs_per_s_per_gpu=4.0,
+            step_s=2.0,
+            metrics={"rewards/accuracies": [0.5]},
+        ),
     ]
     lines = [
         line for line in bench.peer_table(results).splitlines() if line.startswith("| ") and "app case" not in line
