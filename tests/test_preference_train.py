@@ -315,3 +315,22 @@ def test_the_config_and_the_data_must_agree(tmp_path, tiny_llama, pairs_file):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1 and "holds preference pairs" in errors[0], result.stderr
     assert "set `preference`" in errors[0] and "Ray cluster" not in result.stdout + result.stderr
+
+
+def test_preference_training_turns_the_models_dropout_off(tiny_model):
+    """The tiny GPT-2 (the e2e job's model) has dropout in its config: under `preference` the model training loads has
+    every dropout at 0 (TRL's disable_dropout), so the reference scores as the policy does; model.dropout, when set,
+    still decides; supervised fine-tuning keeps the model's own."""
+    from app.config import parse
+    from app.model import load_model
+    from app.preference_train import policy_model
+
+    def dropouts(**doc) -> set[float]:
+        model = {"name_or_path": str(tiny_model), **doc.pop("model", {})}
+        cfg = parse({"model": model, "scaling": {"num_workers": 1, "use_gpu": False}, **doc})
+        config = load_model(policy_model(cfg), {}).config.to_dict()
+        return {value for key, value in config.items() if key.endswith("pdrop") or key.endswith("dropout")}
+
+    assert dropouts() == {0.1}
+    assert dropouts(preference={"loss": "sigmoid"}) == {0.0}
+    assert dropouts(preference={"loss": "sigmoid"}, model={"dropout": 0.2}) == {0.2}
