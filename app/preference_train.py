@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from app.config import TrainingConfig
+from app.config import ModelConfig, TrainingConfig
 from app.data.store import REFERENCE, PreparedSplit, remove_tree, unit_path
 from app.ds_config import plain_bf16
 from app.errors import Problem
@@ -122,6 +122,16 @@ def averaged(values: dict[str, Any], world: int, device) -> dict[str, float]:
 
 
 # --- the reference ----------------------------------------------------------------------------------------------
+
+
+def policy_model(cfg: TrainingConfig) -> ModelConfig:
+    """The model training loads: for preference tuning, every dropout of the model off unless model.dropout is set
+    (TRL's and LLaMA-Factory's disable_dropout, on by default). The reference (the adapters switched off in the
+    training step, or the pass before training, in eval mode) then scores an answer as the policy before its first
+    step does: the first step's loss is log 2, and a reward is the policy's move, not two dropout masks' difference."""
+    if cfg.preference is None or cfg.model.dropout is not None:
+        return cfg.model
+    return cfg.model.model_copy(update={"dropout": 0.0})
 
 
 def reference_source(cfg: TrainingConfig) -> str | None:

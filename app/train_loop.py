@@ -152,7 +152,7 @@ def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: in
 
     started = time.perf_counter()
     tokens = cfg.train.micro_batch_size * cfg.data.seq_length
-    model = load_model(cfg.model, ds_config, separate_documents=packed, tokens=tokens)
+    model = load_model(preference_train.policy_model(cfg), ds_config, separate_documents=packed, tokens=tokens)
     plain = plain_bf16(cfg)
     if plain:
         model = model.to(torch.bfloat16)  # DeepSpeed's mixed precision is off: nothing else casts it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,34 @@ def losses(run_dir: Path) -> dict[int, float]:
         if rec["kind"] == "train":
             out[rec["step"]] = rec["loss"]
     return out
+
+
+# What a run logs when it resumes, is preempted, or resumes on another number of workers (tests/test_reliability.py,
+# tests/test_preference_train.py).
+
+
+def resumed_line(out: str) -> re.Match:
+    """The resume line: (checkpoint, how it was chosen, global step, what is redone)."""
+    m = re.search(
+        r"resumed from (\S+) \((registered by Ray|complete, newer than Ray's latest|fallback)\) at global step "
+        r"(\d+) [^;]*; (.*)",
+        out,
+    )
+    assert m, out[-6000:]
+    return m
+
+
+def preempted_line(out: str) -> re.Match:
+    m = re.search(r"preempted at step (\d+), checkpoint written in ([\d.]+) s", out)
+    assert m, out[-6000:]
+    return m
+
+
+def check_world_change(out: str, s: int, before: int, after: int, batch: str) -> None:
+    assert f"written by {before} workers, this run has {after}: {batch}" in out, out[-6000:]
+    assert f"was written by {before} workers and this run has {after}: loaded it through DeepSpeed's universal" in out
+    m = resumed_line(out)
+    assert Path(m[1]).name == f"step-{s:08d}", m[0]
 
 
 # make test runs two files at a time (pytest-xdist, `-n 2 --dist loadfile`: a file's module fixtures are built once),

@@ -690,9 +690,11 @@ DS_CASES = {
 
 def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
     """What a config reads from the checkpoint volume is not on this machine; stand-ins take the volume's paths,
-    moved under tmp_path: a model folder (examples/values-cpu.yaml) with a small GPT-2 config.json, a weights file
-    without tensors and a tokenizer file, and a chat dataset (examples/values-llama8b-chat-lora.yaml) of
-    conversations. validate reads no more of them than that they are there, whole, and give rows to train on."""
+    moved under tmp_path: a model folder (examples/values-cpu.yaml, the SFT run's final/ in
+    examples/values-llama8b-dpo-lora.yaml) with a small GPT-2 config.json, a weights file without tensors and a
+    tokenizer file, and a dataset of conversations (examples/values-llama8b-chat-lora.yaml) or, for a config with
+    `preference`, of preference pairs. validate reads no more of them than that they are there, whole, and give
+    rows to train on."""
     training = yaml.safe_load(config_files(objects)["training.yaml"])
     mounts = [m["mountPath"] for m in container(pod_templates(objects)["head"])["volumeMounts"]]
     sets = []
@@ -705,7 +707,10 @@ def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
             {"role": "user", "content": "Which section? Stocks rally."},
             {"role": "assistant", "content": "Business"},
         ]
-        data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(400)))
+        row = {"messages": turns}
+        if training.get("preference"):
+            row = {"prompt": turns[:1], "chosen": turns[1:], "rejected": [{"role": "assistant", "content": "Sports"}]}
+        data.write_text("".join(json.dumps(row) + "\n" for _ in range(400)))
         sets = ["--set", f"data.dataset={data}"]
     model = (training.get("model") or {}).get("name_or_path", "")
     mount = next((m for m in mounts if model.startswith(m + "/")), None)
@@ -715,7 +720,7 @@ def on_the_volume(objects: list[dict], tmp_path: Path) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(
         json.dumps(
-            {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 128, "vocab_size": 1000}
+            {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "n_positions": 8192, "vocab_size": 1000}
         )
     )
     (folder / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI_ENV, REPO, losses, run_cli, tiny_overrides
+from conftest import CLI_ENV, REPO, check_world_change, losses, preempted_line, resumed_line, run_cli, tiny_overrides
 
 # 8 steps: checkpoints at 2, 4 (end of epoch 0), 6 and 8. A short lease timeout lets a redeploy after a kill take
 # over the dead run's lease within seconds (the default is 120 s).
@@ -110,16 +110,6 @@ def copy_experiment(src_storage: Path, name: str, dst_storage: Path) -> Path:
     """A copy of an experiment folder; Ray's snapshot names checkpoints relative to it, so the copy resumes."""
     shutil.copytree(src_storage / name, dst_storage / name, symlinks=True)
     return dst_storage / name
-
-
-def resumed_line(out: str) -> re.Match:
-    m = re.search(
-        r"resumed from (\S+) \((registered by Ray|complete, newer than Ray's latest|fallback)\) at global step "
-        r"(\d+) [^;]*; (.*)",
-        out,
-    )
-    assert m, out[-6000:]
-    return m
 
 
 # --- the two runs every other test compares with or starts from -------------------------------------------
@@ -562,13 +552,6 @@ def test_storage_error_message(tmp_path):
 # --- 5. resume on another number of workers -------------------------------------------------------------------
 
 
-def check_world_change(out: str, s: int, before: int, after: int, batch: str) -> None:
-    assert f"written by {before} workers, this run has {after}: {batch}" in out, out[-6000:]
-    assert f"was written by {before} workers and this run has {after}: loaded it through DeepSpeed's universal" in out
-    m = resumed_line(out)
-    assert Path(m[1]).name == f"step-{s:08d}", m[0]
-
-
 WORLD_TOL = 0.03  # per-step loss vs the 2-worker run (seen: <= 0.011): same samples per step, other dropout masks
 # and summation order. Without the checkpoint's weights step 5 would be ~0.7 higher.
 
@@ -951,12 +934,6 @@ class _captured:
 
 
 # --- 8. preemption: SIGTERM saves the step in flight ----------------------------------------------------------
-
-
-def preempted_line(out: str) -> re.Match:
-    m = re.search(r"preempted at step (\d+), checkpoint written in ([\d.]+) s", out)
-    assert m, out[-6000:]
-    return m
 
 
 def test_sigterm_to_a_rank_saves_the_step_in_flight_and_the_redeploy_redoes_nothing(baseline, tmp_path, tiny_model):
