@@ -108,7 +108,7 @@ def settle(
     auto = auto_fields(cfg)
     if not cfg.scaling.use_gpu:
         return _on_cpus(cfg, auto, kept_choices(cfg, auto, accepted)) if auto or long_auto(cfg) else Settled(cfg)
-    memory, where = gpu_memory(cfg, hardware if auto else Hardware())
+    memory, where = gpu_memory(cfg, hardware if auto or long_auto(cfg) else Hardware())
     if not auto and memory is None:  # nothing to choose, and nothing to check the explicit values against
         return Settled(with_values(cfg, long_off(cfg)) if long_auto(cfg) else cfg)
     kept = kept_choices(cfg, auto, accepted)
@@ -231,9 +231,9 @@ def gpu_memory(cfg: TrainingConfig, hardware: Hardware) -> tuple[int | None, str
 
 
 def host_memory(cfg: TrainingConfig) -> tuple[int | None, str]:
-    """Each GPU worker's host memory in bytes and where it came from: scaling.host_memory; else, where the run
-    starts its own Ray cluster (no RAY_ADDRESS), this machine's memory or its cgroup's limit, the smaller; else
-    unknown (None)."""
+    """Each GPU worker's share of host memory in bytes and where it came from: scaling.host_memory; else, where the
+    run starts its own Ray cluster (no RAY_ADDRESS), this machine's memory or its cgroup's limit, the smaller,
+    divided by the workers (all of them on this machine); else unknown (None)."""
     if cfg.scaling.host_memory:
         return resolve.parse_memory(cfg.scaling.host_memory), "scaling.host_memory"
     if os.environ.get("RAY_ADDRESS"):
@@ -247,7 +247,8 @@ def host_memory(cfg: TrainingConfig) -> tuple[int | None, str]:
             continue
         if text.isdigit():
             limits.append(int(text))
-    return min(limits), "this machine's memory"
+    workers = cfg.scaling.num_workers
+    return min(limits) // workers, "this machine's memory" + (f" over {workers} workers" if workers > 1 else "")
 
 
 def memory_of_types(types: list[str]) -> tuple[int, str] | None:

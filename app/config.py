@@ -444,9 +444,10 @@ class ScalingConfig(Section):
     host_memory: str | None = Field(
         None,
         json_schema_extra={"pattern": MEMORY_PATTERN},
-        description="Memory of each GPU worker's host (the node, or the pod's memory limit), e.g. 128GiB: what "
-        "model.long_sequence may fill with offloaded checkpoints, after 16 GiB kept for the worker itself. null: "
-        "this machine's memory when the run starts its own Ray cluster (and for `finetune validate`); on a joined "
+        description="Host memory each GPU worker may fill, e.g. 120GiB: its node's memory (or its pod's memory "
+        "limit) divided by the GPU workers there. What model.long_sequence may fill with offloaded checkpoints, "
+        "after 16 GiB kept for the worker itself. null: where the run starts its own Ray cluster (and for `finetune "
+        "validate`), this machine's memory (or its cgroup's limit) divided by scaling.num_workers; on a joined "
         "cluster, unknown, and offloading is then refused until it is set.",
     )
     max_failures: int = Field(

@@ -107,11 +107,19 @@ class _TiledLoss(torch.autograd.Function):
     computed tile by tile in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, tile: int, count: torch.Tensor):
-        hidden_grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        weight_grad = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        )
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        tile: int,
+        count: torch.Tensor,
+        grads: bool,
+    ):
+        # `grads`: the caller's grad mode (an evaluation computes the loss alone, at any length, in tiles too).
+        hidden_grad = torch.empty_like(hidden) if grads and ctx.needs_input_grad[0] else None
+        wants_weight = grads and ctx.needs_input_grad[1]
+        weight_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], tile):
             h, y = hidden[start : start + tile], labels[start : start + tile]
@@ -140,7 +148,7 @@ class _TiledLoss(torch.autograd.Function):
         hidden_grad, weight_grad = ctx.saved_tensors
         hidden_out = hidden_grad * grad.to(hidden_grad.dtype) if hidden_grad is not None else None
         weight_out = (weight_grad * grad).to(ctx.weight_dtype) if weight_grad is not None else None
-        return hidden_out, weight_out, None, None, None
+        return hidden_out, weight_out, None, None, None, None
 
 
 def tiled_cross_entropy(
@@ -155,7 +163,7 @@ def tiled_cross_entropy(
     else:
         count = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device)
     tile = max(1, LOSS_TILE_ELEMENTS // weight.shape[0])
-    return _TiledLoss.apply(flat, weight, shifted.to(hidden.device), tile, count)
+    return _TiledLoss.apply(flat, weight, shifted.to(hidden.device), tile, count, torch.is_grad_enabled())
 
 
 def tile_loss(model: torch.nn.Module) -> None:
@@ -173,8 +181,8 @@ def tile_loss(model: torch.nn.Module) -> None:
     body = model.base_model
 
     def forward(input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
-        if labels is None or not torch.is_grad_enabled():
-            return own(input_ids=input_ids, labels=labels, **kwargs)
+        if labels is None:  # logits asked for (generation, the packed-documents check): the model's own forward
+            return own(input_ids=input_ids, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         kwargs.pop("logits_to_keep", None)
