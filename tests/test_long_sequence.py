@@ -328,6 +328,8 @@ def test_the_tiled_loss_never_builds_the_logits_and_counts_targets_like_transfor
     hidden.grad = weight.grad = None
     (2 * want).backward()
     assert (h - hidden.grad).abs().max() < 1e-6 and (w - weight.grad).abs().max() < 1e-6
+    with torch.no_grad():  # an evaluation: the same loss, no gradient computed
+        assert abs(long_sequence.tiled_cross_entropy(hidden, weight, labels).item() - want.item()) < 1e-6
     summed = long_sequence.tiled_cross_entropy(hidden, weight, labels, num_items_in_batch=100)
     assert abs(summed.item() * 100 - want.item() * (labels[:, 1:] != -100).sum().item()) < 1e-3
 
@@ -338,3 +340,29 @@ def test_offload_needs_checkpointing_on_the_workers_too():
 
     with pytest.raises(Problem, match="activation checkpointing is off"):
         long_sequence.apply(tiny_llama(), LongSequenceConfig(offload_checkpoints=1), checkpointing=False)
+
+
+# --- the benchmark suite ----------------------------------------------------------------------------------------
+
+
+def test_the_long_suite_builds_each_case_and_auto_chooses_as_predicted(tmp_path, monkeypatch):
+    """benchmarks' `long` suite: every case a valid config, the app's long_sequence what the memory model says for
+    one H200 (143,771 MiB) and a 128 GiB host (the device machine's; its memory taken as this machine's otherwise)."""
+    from test_bench import _configs
+
+    from app import autoset
+    from benchmarks import bench
+
+    monkeypatch.setattr(autoset, "host_memory", lambda cfg: (HOST, "test"))
+    knobs = {case.name: k for case, k in _configs(tmp_path, bench.SUITES["long"], gpu_memory=143_771 * 2**20)}
+    assert not [k for k in knobs.values() if isinstance(k, Exception)], knobs
+    assert {k["seq"] for k in knobs.values()} == {32_768, 131_072, 262_144, 524_288}
+    for k in knobs.values():
+        assert (k["micro_batch"], k["stage"], k["act_ckpt"], k["pure_bf16"], k["packing"]) == (1, 0, True, True, True)
+        assert k["lora"]["r"] == 16 and k["format"] == "chat"
+    off, on = knobs["long-l8b-32k-off"]["long_sequence"], knobs["long-l8b-32k-on"]["long_sequence"]
+    assert off == {"tiled_mlp": False, "tiled_loss": False, "offload_checkpoints": False}
+    assert on == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": True}
+    assert knobs["long-l8b-512k"]["long_sequence"] == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": 19}
+    assert knobs["long-l8b-128k"]["long_sequence"]["offload_checkpoints"] == 0
+    assert {name for name, k in knobs.items() if "trl" in k["command"]} == {"trl-long-l8b-128k", "trl-long-l8b-256k"}
