@@ -876,6 +876,9 @@ def _fixes(shape: Shape, gpus: int, gpu_memory: int, request: Request) -> list[s
     relaxed = replace(request, zero_stage=None, pure_bf16=None, gradient_checkpointing=None, micro_batch_size="auto")
     if explicit and _search(shape, gpus, gpu_memory, relaxed)[1]:
         out.append(f"leave {', '.join(explicit)} to auto")
+    long = replace(request, long=LongAsk())
+    if request.long != LongAsk() and _search(shape, gpus, gpu_memory, long)[1]:
+        out.append("leave model.long_sequence to auto (the tiled MLP and loss, checkpoints offloaded to host memory)")
     more = next((n for n in (2**k for k in range(13)) if n > gpus and _search(shape, n, gpu_memory, request)[1]), 0)
     if more:
         out.append(f"{more} GPUs of this memory (scaling.num_workers: {more})")

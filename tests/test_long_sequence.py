@@ -113,6 +113,12 @@ def test_what_no_offload_makes_fit_is_refused_with_the_gpu_figures():
     assert "a shorter data.seq_length (262144 fits)" in problem.fix
 
 
+def test_switches_set_off_where_only_they_would_fit_name_auto_as_the_fix():
+    r = resolved(524_288, H200, tiled_mlp=False, tiled_loss=False, offload=False)
+    assert not r.fits and r.problems[0].field == "GPU memory (GiB)"
+    assert "leave model.long_sequence to auto" in r.problems[0].fix
+
+
 def test_offload_without_checkpointing_is_refused_by_the_config():
     with pytest.raises(ConfigError, match="offload_checkpoints"):
         parse({"model": {"gradient_checkpointing": False, "long_sequence": {"offload_checkpoints": 8}}})
