@@ -785,14 +785,14 @@ def _long_reasons(shape: Shape, gpus: int, gpu_memory: int, request: Request, pl
             out[switch] = f"{fits}: tiling would only add work"
         else:
             without = predict(shape, gpus, request, replace(plan, **{switch: False}))
-            what = "activations and scratch" if switch == "tiled_mlp" else "loss"
+            what = "activations and scratch take" if switch == "tiled_mlp" else "loss takes"
             was, now = (
                 (without.activations + without.workspace, memory.activations + memory.workspace)
                 if switch == "tiled_mlp"
                 else (without.logits, memory.logits)
             )
             out[switch] = (
-                f"at {tokens} tokens the {what} take {_gib(was)} untiled, {_gib(now)} in tiles; without it the run "
+                f"at {tokens} tokens the {what} {_gib(was)} untiled, {_gib(now)} in tiles; without it the run "
                 f"needs {_gib(without.needed)} of {_gib(gpu_memory)} a GPU"
             )
     out["offload_checkpoints"] = _offload_reason(shape, gpus, gpu_memory, request, plan, memory)
