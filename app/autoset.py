@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from app import contract, preflight, resolve
@@ -105,10 +107,10 @@ def settle(
     hardware = hardware or Hardware()
     auto = auto_fields(cfg)
     if not cfg.scaling.use_gpu:
-        return _on_cpus(cfg, auto, kept_choices(cfg, auto, accepted)) if auto else Settled(cfg)
-    memory, where = gpu_memory(cfg, hardware if auto else Hardware())
-    if not auto and memory is None:
-        return Settled(cfg)  # nothing to choose, and nothing to check the explicit values against
+        return _on_cpus(cfg, auto, kept_choices(cfg, auto, accepted)) if auto or long_auto(cfg) else Settled(cfg)
+    memory, where = gpu_memory(cfg, hardware if auto or long_auto(cfg) else Hardware())
+    if not auto and memory is None:  # nothing to choose, and nothing to check the explicit values against
+        return Settled(with_values(cfg, long_off(cfg)) if long_auto(cfg) else cfg)
     kept = kept_choices(cfg, auto, accepted)
     model = preflight.read_model_config(cfg, offline)
     if memory is None or model[0] is None:
@@ -125,20 +127,22 @@ def settle(
         return _stand_ins(cfg, auto, kept, model, None, [problem])
     resolved = _resolve(cfg, shape, liger(cfg, model[0]), memory, kept)
     values = {path: getattr(resolved, ATTRIBUTES[path]).value for path in auto}
+    values |= {LONG: resolve.long_values(resolved)} if long_auto(cfg) else {}
     values |= {path: v for path, (v, _) in kept.values.items() if path not in FIELDS}  # a kept batch's accumulation
     given = cfg.scaling.gpu_memory if where == "scaling.gpu_memory" else f"{memory / resolve.GIB:.1f}GiB"
-    problems = [_named(p, where, given) for p in resolved.problems]
+    problems = [_named(p, where, given) if p.field == GPU_FIGURE else p for p in resolved.problems]
     lines = [f"settings for {resolved.gpus} GPU(s) of {resolved.gpu_memory / resolve.GIB:.1f} GiB ({where}):"]
     lines += [f"  {line}" for line in resolve.describe(dataclasses.replace(resolved, problems=[]))]
     return Settled(with_values(cfg, values), auto, lines, problems, None, model, resolved)
 
 
+GPU_FIGURE = "GPU memory (GiB)"  # the field of app.resolve's "does not fit" problem
 ATTRIBUTES = {STAGE: "zero_stage", PURE: "pure_bf16", CKPT: "gradient_checkpointing", MICRO: "micro_batch_size"}
 
 
 def _on_cpus(cfg: TrainingConfig, auto: tuple[str, ...], kept: Kept) -> Settled:
-    values = _fixed(auto, kept)
-    shown = ", ".join(_said(path, values[path]) for path in auto)
+    values = _fixed(auto, kept) | long_off(cfg)
+    shown = ", ".join([*(_said(path, values[path]) for path in auto), *([LONG_OFF_SAID] if long_auto(cfg) else [])])
     lines = [f"auto settings on CPU workers (scaling.use_gpu: false), fixed, without the GPU memory model: {shown}"]
     lines += [f"  {path}: {v} - {why}" for path, (v, why) in kept.values.items()]
     return Settled(with_values(cfg, values), auto, lines)
@@ -168,7 +172,32 @@ def _stand_ins(
     problems: list[Problem],
 ) -> Settled:
     standing_in = tuple(path for path in auto if path not in kept.values)
-    return Settled(with_values(cfg, _fixed(auto, kept)), auto, [], problems, note, model, standing_in=standing_in)
+    values = _fixed(auto, kept) | long_off(cfg)
+    return Settled(with_values(cfg, values), auto, [], problems, note, model, standing_in=standing_in)
+
+
+LONG = "model.long_sequence"
+LONG_OFF_SAID = "tiled MLP, tiled loss and offloaded checkpoints off"
+
+
+def long_auto(cfg: TrainingConfig) -> bool:
+    """Whether a switch of model.long_sequence is left to auto."""
+    return resolve.long_ask(cfg.model.long_sequence).auto
+
+
+def long_off(cfg: TrainingConfig) -> dict[str, Any]:
+    """model.long_sequence with its auto switches off (CPU workers; where no choice can be made), the explicit ones
+    kept; nothing when none is auto."""
+    if not long_auto(cfg):
+        return {}
+    ask = resolve.long_ask(cfg.model.long_sequence)
+    return {
+        LONG: {
+            "tiled_mlp": bool(ask.tiled_mlp),
+            "tiled_loss": bool(ask.tiled_loss),
+            "offload_checkpoints": ask.offload or 0,
+        }
+    }
 
 
 def _unknown(auto: tuple[str, ...], hardware: Hardware, no_memory: bool, model: tuple) -> str | None:
@@ -199,6 +228,27 @@ def gpu_memory(cfg: TrainingConfig, hardware: Hardware) -> tuple[int | None, str
         return resolve.parse_memory(cfg.scaling.gpu_memory), "scaling.gpu_memory"
     found = hardware.detect() if hardware.detect else None
     return found if found else (None, "")
+
+
+def host_memory(cfg: TrainingConfig) -> tuple[int | None, str]:
+    """Each GPU worker's share of host memory in bytes and where it came from: scaling.host_memory; else, where the
+    run starts its own Ray cluster (no RAY_ADDRESS), this machine's memory or its cgroup's limit, the smaller,
+    divided by the workers (all of them on this machine); else unknown (None)."""
+    if cfg.scaling.host_memory:
+        return resolve.parse_memory(cfg.scaling.host_memory), "scaling.host_memory"
+    if os.environ.get("RAY_ADDRESS"):
+        return None, "unknown on a joined cluster (scaling.host_memory unset)"
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [physical]
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    workers = cfg.scaling.num_workers
+    return min(limits) // workers, "this machine's memory" + (f" over {workers} workers" if workers > 1 else "")
 
 
 def memory_of_types(types: list[str]) -> tuple[int, str] | None:
@@ -254,6 +304,7 @@ def _resolve(cfg: TrainingConfig, shape: resolve.Shape, liger_on: bool, memory: 
     of another stage, a choice of pure bf16 at stage 0 (which no stage change converts) keeps the checkpoint's stage
     where that fits."""
     base = resolve.request_from_config(cfg, liger_on)
+    base = dataclasses.replace(base, host_memory=host_memory(cfg)[0])
     request = dataclasses.replace(base, **{ATTRIBUTES[p]: v for p, (v, _) in kept.values.items() if p in FIELDS})
     gpus = cfg.scaling.num_workers
     resolved = resolve.resolve(shape, gpus, memory, request)

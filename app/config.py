@@ -137,6 +137,32 @@ class LoraConfig(Section):
     )
 
 
+class LongSequenceConfig(Section):
+    tiled_mlp: AutoSwitch = Field(
+        "auto",
+        description="Compute each decoder layer's MLP in tiles of 8,192 tokens along the sequence, each tile's "
+        "forward recomputed in backward, so that the MLP's intermediates (the 8B's: 14,336 x tokens x 2 bytes each "
+        "of gate, up and their product) exist for one tile at a time; the outputs and gradients are those of the "
+        "untiled MLP. Costs one more MLP forward a step. auto: on when the run would not fit the GPU without it.",
+    )
+    tiled_loss: AutoSwitch = Field(
+        "auto",
+        description="Compute the output head and cross-entropy in tiles of at most 2^28 logits, the gradients of "
+        "the hidden states (and of the head) computed tile by tile in the forward, so that the full [tokens, "
+        "vocabulary] logits never exist. Replaces Liger's fused loss where on. auto: on when the run would not fit "
+        "the GPU without it.",
+    )
+    offload_checkpoints: bool | Literal["auto"] | Annotated[int, Field(ge=0, le=4096)] = Field(
+        "auto",
+        description="Keep the checkpointed inputs (hidden states, 2 x hidden size bytes a token: 256 KiB a token "
+        "for the 8B's 32 layers) of the first N decoder layers in pinned host memory instead of the GPU's, copied "
+        "out on a side stream in the forward and back before the layer's recomputation. A number: that many "
+        "layers; true: every layer; false or 0: none. auto: the fewest layers that make the run fit the GPU "
+        "(app/resolve.py's memory model), refused before start when they do not fit scaling.host_memory. Needs "
+        "model.gradient_checkpointing (auto turns it on). On CPUs the copy is a plain one (the same code path).",
+    )
+
+
 class ModelConfig(Section):
     name_or_path: UsablePath = Field("gpt2", description="Hugging Face hub name or a local from_pretrained folder.")
     tokenizer: UsablePath | None = Field(None, description="Tokenizer name or folder; default: name_or_path.")
@@ -151,6 +177,15 @@ class ModelConfig(Section):
         description="Recompute each decoder layer's activations in backward instead of keeping them: less memory, "
         "about a third more compute. auto: on when the activations of the micro-batch would not fit the GPUs' "
         "memory (app/resolve.py's memory model; the choice and its reason are logged); off on CPUs.",
+    )
+    long_sequence: Literal["auto"] | LongSequenceConfig = Field(
+        "auto",
+        description="Long sequences on few GPUs: the tiled MLP, the tiled loss and checkpoints offloaded to host "
+        "memory (each described under model.long_sequence.*). auto: each switch auto, i.e. off while the run fits "
+        "the GPU without it (so short sequences run as fast as before) and on, in that order, as seq_length needs: "
+        "the Llama-3-8B shape's LoRA on one 141 GB H200 takes the tiles from 262,144 tokens and offloads 21 of its "
+        "32 layers' checkpoints (84 GiB) at 524,288. `finetune validate` prints each switch with its reason. On "
+        "CPU workers auto turns them off.",
     )
     dropout: float | None = Field(
         None, ge=0, le=1, description="Override every dropout probability of the model config (null: keep)."
@@ -183,6 +218,18 @@ class ModelConfig(Section):
         "optimizer; checkpoints hold the adapters and their optimizer state; final/ holds the merged model and "
         "final/adapter/ the PEFT adapter. null: full fine-tuning.",
     )
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpoints(self) -> ModelConfig:
+        """Only checkpointed layer inputs can be offloaded: without checkpointing there are none."""
+        long = self.long_sequence
+        offload = long.offload_checkpoints if isinstance(long, LongSequenceConfig) else "auto"
+        if offload not in ("auto", False, 0) and self.gradient_checkpointing is False:
+            raise ValueError(
+                f"long_sequence.offload_checkpoints: {offload} offloads checkpointed layer inputs, and "
+                "gradient_checkpointing is false (set it true or auto, or offload_checkpoints false)"
+            )
+        return self
 
 
 FORMATS = Literal["auto", "text", "chat", "prompt_completion", "preference"]
@@ -394,6 +441,15 @@ class ScalingConfig(Section):
         "own Ray cluster, else the memory of the joined cluster's GPU type (Ray's accelerator_type); a GPU run "
         "with auto settings and neither is refused. The chart sets it from workers.<group>.gpuMemory.",
     )
+    host_memory: str | None = Field(
+        None,
+        json_schema_extra={"pattern": MEMORY_PATTERN},
+        description="Host memory each GPU worker may fill, e.g. 120GiB: its node's memory (or its pod's memory "
+        "limit) divided by the GPU workers there. What model.long_sequence may fill with offloaded checkpoints, "
+        "after 16 GiB kept for the worker itself. null: where the run starts its own Ray cluster (and for `finetune "
+        "validate`), this machine's memory (or its cgroup's limit) divided by scaling.num_workers; on a joined "
+        "cluster, unknown, and offloading is then refused until it is set.",
+    )
     max_failures: int = Field(
         0,
         ge=-1,
@@ -418,14 +474,14 @@ class ScalingConfig(Section):
         "waits in one for data: it is prepared before they start.",
     )
 
-    @field_validator("gpu_memory")
+    @field_validator("gpu_memory", "host_memory")
     @classmethod
     def _memory_size(cls, v: str | None) -> str | None:
         if v is not None:
             try:
                 parse_memory(v)
             except ValueError:
-                raise ValueError("is not a GPU's memory size (a number and a unit, at least 1 MiB)") from None
+                raise ValueError("is not a memory size (a number and a unit, at least 1 MiB)") from None
         return v
 
 

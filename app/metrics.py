@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,12 @@ log = logging.getLogger("finetune")
 
 # Dense bf16 peak FLOP/s per GPU used as the MFU denominator (H100/H200 SXM: 989 TFLOP/s).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def peak_host_gib() -> float:
+    """This process's peak resident memory (ru_maxrss, KiB on Linux): pinned host buffers, such as offloaded
+    checkpoints (model.long_sequence), count once touched."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def peak_flops() -> float | None:
@@ -113,6 +120,7 @@ class MetricsLogger:
             record["mfu"] = tokens_per_s_per_gpu * self.flops_per_tok / self.peak
         if torch.cuda.is_available():
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        record["peak_host_gib"] = peak_host_gib()
         self._write(step, record, "train")
         self._track(step, record)
         if self.progress:

@@ -233,6 +233,11 @@ def load_model(
         _apply_fp8(model, compiled=torch.cuda.is_available(), tokens=tokens)
     if cfg.gradient_checkpointing is True:  # "auto" is chosen before a run (app.autoset); left, it means off
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.long_sequence != "auto":  # settled by app.autoset; switches still "auto" (never settled) are off
+        from app import long_sequence
+
+        for line in long_sequence.apply(model, cfg.long_sequence, checkpointing=cfg.gradient_checkpointing is True):
+            log.info(f"model.long_sequence: {line}")
     model.config.use_cache = False
     if cfg.lora is not None:
         from app import lora
@@ -254,7 +259,7 @@ def loss_options(model, tokens: int) -> dict[str, int]:
     the same and the gradients as close to fp32's (docs/benchmarks.md). `tokens`: a micro-batch's."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA, the wrapped model
     if not (getattr(base.forward, "__module__", None) or "").startswith("liger_kernel.transformers.model."):
-        return {}
+        return {}  # also where app.long_sequence's tiled loss replaced Liger's forward
     try:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

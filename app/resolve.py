@@ -50,6 +50,15 @@ MAX_MICRO_BATCH = 64
 # share of a trained model's weights, mostly around 1e-2 and below), 2.6e-4 at the tutorial's 1e-6 (almost none).
 # Below this rate fp32 master weights are kept. A judgement from that arithmetic, not a measurement: compare losses.
 PURE_MIN_LR = 1e-5
+# model.long_sequence (app/long_sequence.py): the tiled MLP computes this many tokens of the intermediate at a time
+# (8,192 x 14,336 x 2 bytes = 224 MiB a tile of the 8B's gate, up and product: matmuls wide enough to run at full
+# speed); the tiled loss at most this many logits a tile (2,093 tokens of Llama 3's 128,256-token vocabulary).
+MLP_TILE_TOKENS = 8_192
+LOSS_TILE_ELEMENTS = 2**28
+# Host memory a GPU worker holds besides offloaded checkpoints: torch, CUDA and Ray's libraries, the data loader,
+# DeepSpeed's host buffers. A judgement (a worker of the 8B's LoRA run held about 9 GiB before any offload), kept
+# wide because exceeding the node's memory kills the pod.
+HOST_RESERVED = 16 * GIB
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 RECURRENT_LAYERS = frozenset({"linear_attention", "hybrid", "mamba"})
@@ -178,6 +187,20 @@ class Lora:
 
 
 @dataclass(frozen=True)
+class LongAsk:
+    """model.long_sequence's switches: None where auto chooses; offload: None, True (every layer), False, or a
+    number of layers."""
+
+    tiled_mlp: bool | None = None
+    tiled_loss: bool | None = None
+    offload: bool | int | None = None
+
+    @property
+    def auto(self) -> bool:
+        return None in (self.tiled_mlp, self.tiled_loss, self.offload)
+
+
+@dataclass(frozen=True)
 class Request:
     """The run's settings; None (micro_batch_size: "auto") where the resolver chooses."""
 
@@ -195,6 +218,10 @@ class Request:
     offload_optimizer: bool = False
     offload_param: bool = False
     reduce_bucket_elements: int | None = None  # deepspeed.zero_optimization.reduce_bucket_size when a number
+    # Off unless asked: a Request built by hand (tests, tools) predicts what it always did; request_from_config
+    # passes model.long_sequence, whose default is auto.
+    long: LongAsk = LongAsk(False, False, False)
+    host_memory: int | None = None  # bytes of each GPU worker's host memory, for offloaded checkpoints
 
 
 @dataclass(frozen=True)
@@ -205,6 +232,9 @@ class Plan:
     pure: bool
     checkpointing: bool
     micro_batch: int
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    offload_layers: int = 0  # decoder layers whose checkpointed input is kept in pinned host memory
 
 
 @dataclass(frozen=True)
@@ -219,6 +249,7 @@ class Memory:
     activations: int
     logits: int
     workspace: int  # ZeRO's gathered layers and buckets, one layer's backward scratch
+    offloaded: int = 0  # checkpointed activations moved to pinned host memory (not in the GPU's figures)
 
     @property
     def subtotal(self) -> int:
@@ -257,15 +288,33 @@ class Resolved:
     gpu_memory: int
     precision: str = "bf16"
     problems: list[Problem] = field(default_factory=list)
+    long_sequence: Choice = Choice({"tiled_mlp": False, "tiled_loss": False, "offload_checkpoints": 0}, "")
+    long_reasons: dict[str, str] = field(default_factory=dict)  # model.long_sequence's switches: why each is so
+    host_memory: int | None = None
 
     @property
     def fits(self) -> bool:
-        return self.memory.needed <= self.gpu_memory
+        return self.memory.needed <= self.gpu_memory and self.host_fits
+
+    @property
+    def host_needed(self) -> int:
+        return self.memory.offloaded + HOST_RESERVED if self.memory.offloaded else 0
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.memory.offloaded or (self.host_memory is not None and self.host_needed <= self.host_memory)
 
     @property
     def plan(self) -> Plan:
+        long = self.long_sequence.value
         return Plan(
-            self.zero_stage.value, self.pure_bf16.value, self.gradient_checkpointing.value, self.micro_batch_size.value
+            self.zero_stage.value,
+            self.pure_bf16.value,
+            self.gradient_checkpointing.value,
+            self.micro_batch_size.value,
+            long["tiled_mlp"],
+            long["tiled_loss"],
+            long["offload_checkpoints"],
         )
 
 
@@ -297,9 +346,21 @@ def predict(shape: Shape, gpus: int, request: Request, plan: Plan) -> Memory:
         transient_gradients=transient,
         optimizer=optimizer,
         activations=_activations(shape, request, plan, lora, tokens),
-        logits=_loss(shape, request, tokens),
+        logits=_loss(shape, request, plan, tokens),
         workspace=_workspace(shape, gpus, request, plan, tokens, trained),
+        offloaded=plan.offload_layers * host_block(tokens * checkpoint_bytes(shape)),
     )
+
+
+def checkpoint_bytes(shape: Shape) -> int:
+    """Bytes per token of one decoder layer's checkpointed input (its bf16 hidden states)."""
+    return 2 * shape.hidden
+
+
+def host_block(size: int) -> int:
+    """The pinned host bytes a buffer of `size` bytes takes: torch's caching host allocator rounds each block up to a
+    power of two (app/long_sequence.py keeps one block a layer, reused every step)."""
+    return 1 << max(0, size - 1).bit_length() if size else 0
 
 
 def _states(trained: int, frozen: int, gpus: int, request: Request, plan: Plan) -> tuple[int, int, int, int]:
@@ -339,9 +400,33 @@ def _activations(shape: Shape, request: Request, plan: Plan, lora: list[tuple[in
     layer = _layer_bytes(shape, request, plan, lora)
     if request.attention == "eager":  # the softmax's float32 output and its bf16 copy, heads x seq x seq a layer
         layer += 6 * shape.heads * request.seq_length
-    if plan.checkpointing:
-        return tokens * (shape.layers * 2 * shape.hidden + layer)
-    return tokens * shape.layers * layer
+    tile = 0
+    if plan.tiled_mlp:  # the MLP keeps its input only; one tile of its intermediates lives at a time
+        mlp = _mlp_bytes(shape, request, plan, lora)
+        layer += 2 * shape.hidden - mlp
+        tile = min(tokens, MLP_TILE_TOKENS) * mlp
+    if plan.checkpointing:  # offloaded layers' inputs live in host memory
+        return tokens * ((shape.layers - plan.offload_layers) * checkpoint_bytes(shape) + layer) + tile
+    return tokens * shape.layers * layer + tile
+
+
+def _mlp_bytes(shape: Shape, request: Request, plan: Plan, lora: list[tuple[int, int]]) -> int:
+    """The part of _layer_bytes that the MLP saves, per token: gate and up (and silu's output without Liger), the
+    down projection's input where linear inputs are kept, and the MLP adapters' inputs."""
+    h, i = shape.hidden, shape.intermediate
+    keeps_inputs = request.lora is None or plan.stage == 3
+    out = (4 if request.liger else 6) * i + (2 * h + 2 * i if keeps_inputs else 0)
+    if request.lora:
+        wide = plan.stage == 3
+        kept = (5 if wide else 3) if request.lora.dropout > 0 else (4 if wide else 2)
+        names = request.lora.target_modules
+        mlp = (
+            [(h, i), (h, i), (i, h)]
+            if names == "auto"
+            else [p for n in ("gate_proj", "up_proj", "down_proj") if n in names for p in shape.linears()[n]]
+        )
+        out += sum(kept * fan_in + (4 if wide else 2) * request.lora.r for fan_in, _ in mlp)
+    return out
 
 
 def _layer_bytes(shape: Shape, request: Request, plan: Plan, lora: list[tuple[int, int]]) -> int:
@@ -370,12 +455,15 @@ def _layer_bytes(shape: Shape, request: Request, plan: Plan, lora: list[tuple[in
     return out
 
 
-def _loss(shape: Shape, request: Request, tokens: int) -> int:
+def _loss(shape: Shape, request: Request, plan: Plan, tokens: int) -> int:
     """The loss's memory. Liger's fused linear cross-entropy never holds the logits: chunks of up to twice
     LOSS_CHUNK_ELEMENTS (or tokens x hidden, Liger's own bound) bf16 logits and their float32 gradient, plus the
     gradient of the hidden states and, when the head trains, the head's gradient, both computed in the forward.
     Without it transformers' loss holds the bf16 logits, a float32 copy, the float32 log-softmax and its gradient
     (14 bytes a logit: Llama 1.1B on 2 GPUs without Liger, 43.63 GiB measured)."""
+    if plan.tiled_loss:  # app/long_sequence.py: a tile's bf16 logits, their float32 softmax and gradient
+        head_grad = 4 * shape.vocab * shape.hidden if request.lora is None else 0
+        return 10 * min(tokens * shape.vocab, LOSS_TILE_ELEMENTS) + 2 * tokens * shape.hidden + head_grad
     if not (request.liger and not shape.gpt2):
         return 14 * tokens * shape.vocab
     chunk = min(tokens * shape.vocab, 2 * max(LOSS_CHUNK_ELEMENTS, tokens * shape.hidden))
@@ -389,7 +477,8 @@ def _workspace(shape: Shape, gpus: int, request: Request, plan: Plan, tokens: in
     outside the layers (the embedding or head, gathered whole), in bf16, and a gradient bucket of twice the
     prefetch; stages 1-2 a bucket of hidden^2 elements; stage 0 on several GPUs DeepSpeed's all-reduce buffer
     (up to 5e8 elements)."""
-    scratch = tokens * (4 * shape.intermediate + 4 * shape.hidden)
+    wide = min(tokens, MLP_TILE_TOKENS) if plan.tiled_mlp else tokens  # the tiled MLP's gradients are a tile's
+    scratch = wide * 4 * shape.intermediate + tokens * 4 * shape.hidden
     h, layer = shape.hidden, shape.layer_params()
     ahead = max(0.9 * h * h, 2.25 * layer) if plan.stage == 3 else 0
     reduce = request.reduce_bucket_elements or max(h * h, 2 * ahead)
@@ -425,20 +514,64 @@ def resolve(model: Any, gpus: int, gpu_memory: int, request: Request) -> Resolve
         gpus=gpus,
         gpu_memory=gpu_memory,
         precision=request.precision,
+        long_sequence=Choice(
+            {"tiled_mlp": plan.tiled_mlp, "tiled_loss": plan.tiled_loss, "offload_checkpoints": plan.offload_layers},
+            "",
+            not request.long.auto,
+        ),
+        long_reasons=_long_reasons(*args),
+        host_memory=request.host_memory,
     )
-    if not fits:
+    if not fits and memory.needed > gpu_memory:
         resolved.problems.append(_does_not_fit(shape, gpus, gpu_memory, request, resolved))
+    elif not fits:
+        resolved.problems.append(_host_does_not_fit(shape, request, resolved))
     return resolved
 
 
 def _search(shape: Shape, gpus: int, gpu_memory: int, request: Request) -> tuple[Plan, bool]:
+    """The fastest plan that fits (see _search_at), trying model.long_sequence's levels in turn: its switches off
+    where auto (they cost time: the tiled MLP runs its forward once more, offloaded checkpoints cross PCIe), then the
+    tiled MLP and loss on, then as few layers' checkpoints offloaded as make the GPU's figure fit. The last level's
+    most frugal plan when none fits."""
+    found: tuple[Plan, bool] | None = None
+    levels = _levels(request.long)
+    # Auto's switches are for sequences too long for the GPU, one at a time: a micro-batch of several that does not
+    # fit takes a smaller one (or is refused when set), not tiles.
+    several = request.micro_batch_size != "auto" and request.micro_batch_size > 1
+    for n, level in enumerate(levels[:1] if several else levels):
+        found = _search_at(shape, gpus, gpu_memory, request, level, one=n > 0)
+        if found[1]:
+            return found
+    return found
+
+
+# A Plan's offload_layers while still to be sized (_sized): the fewest that fit (auto), or every layer (true).
+SIZE_OFFLOAD, ALL_LAYERS = -1, -2
+
+
+def _levels(ask: LongAsk) -> list[tuple[bool, bool, int]]:
+    """(tiled MLP, tiled loss, offloaded layers) to try, cheapest first; explicit switches are kept throughout."""
+    offload = ALL_LAYERS if ask.offload is True else int(ask.offload or 0)
+    first = (bool(ask.tiled_mlp), bool(ask.tiled_loss), offload)
+    tiled = (ask.tiled_mlp is not False, ask.tiled_loss is not False, offload)
+    levels = [first] + ([tiled] if tiled != first else [])
+    if ask.offload is None:
+        levels.append((tiled[0], tiled[1], SIZE_OFFLOAD))
+    return levels
+
+
+def _search_at(
+    shape: Shape, gpus: int, gpu_memory: int, request: Request, level: tuple[bool, bool, int], one: bool = False
+) -> tuple[Plan, bool]:
     """The first option, fastest first, that fits with a micro-batch of at least MIN_TOKENS (or the asked one);
-    else the fitting option with the largest micro-batch; else the most frugal option (not fitting)."""
+    else the fitting option with the largest micro-batch; else the most frugal option (not fitting). `one`: a
+    micro-batch of one sequence only."""
     options = _options(gpus, request)
-    cap, floor = micro_batch_bounds(request.seq_length)
+    cap, floor = (1, 1) if one else micro_batch_bounds(request.seq_length)
     best = None
     for stage, pure, checkpointing in options:
-        plan = _largest_fit(shape, gpus, gpu_memory, request, Plan(stage, pure, checkpointing, cap))
+        plan = _largest_fit(shape, gpus, gpu_memory, request, Plan(stage, pure, checkpointing, cap, *level))
         if plan is None:
             continue
         if request.micro_batch_size != "auto" or plan.micro_batch >= floor:
@@ -448,7 +581,8 @@ def _search(shape: Shape, gpus: int, gpu_memory: int, request: Request) -> tuple
         return best, True
     stage, pure, checkpointing = options[-1]
     smallest = 1 if request.micro_batch_size == "auto" else request.micro_batch_size
-    return Plan(stage, pure, checkpointing, smallest), False
+    frugal = Plan(stage, pure, checkpointing, smallest, *level)
+    return _sized(shape, gpus, gpu_memory, request, frugal), False
 
 
 def _largest_fit(shape: Shape, gpus: int, gpu_memory: int, request: Request, plan: Plan) -> Plan | None:
@@ -457,10 +591,36 @@ def _largest_fit(shape: Shape, gpus: int, gpu_memory: int, request: Request, pla
     sizes = [request.micro_batch_size] if request.micro_batch_size != "auto" else []
     sizes = sizes or [1 << k for k in range(plan.micro_batch.bit_length() - 1, -1, -1)]
     for size in sizes:
-        candidate = replace(plan, micro_batch=size)
-        if predict(shape, gpus, request, candidate).needed <= gpu_memory:
+        candidate = _sized(shape, gpus, gpu_memory, request, replace(plan, micro_batch=size))
+        if _fits(shape, gpus, gpu_memory, request, candidate):
             return candidate
     return None
+
+
+def _sized(shape: Shape, gpus: int, gpu_memory: int, request: Request, plan: Plan) -> Plan:
+    """`plan` with SIZE_OFFLOAD replaced: the fewest layers whose offloaded checkpoints make the GPU's figure fit
+    (the others stay on the GPU, where they cost no transfer), every layer when none does; none without
+    checkpointing (there is no checkpoint to offload)."""
+    if not plan.checkpointing:
+        return replace(plan, offload_layers=0) if plan.offload_layers else plan
+    if plan.offload_layers == ALL_LAYERS or plan.offload_layers > shape.layers:
+        return replace(plan, offload_layers=shape.layers)
+    if plan.offload_layers != SIZE_OFFLOAD:
+        return plan
+    for layers in range(shape.layers + 1):
+        candidate = replace(plan, offload_layers=layers)
+        if predict(shape, gpus, request, candidate).needed <= gpu_memory:
+            return candidate
+    return replace(plan, offload_layers=shape.layers)
+
+
+def _fits(shape: Shape, gpus: int, gpu_memory: int, request: Request, plan: Plan) -> bool:
+    memory = predict(shape, gpus, request, plan)
+    if memory.needed > gpu_memory:
+        return False
+    return not memory.offloaded or (
+        request.host_memory is not None and memory.offloaded + HOST_RESERVED <= request.host_memory
+    )
 
 
 def micro_batch_bounds(seq_length: int) -> tuple[int, int]:
@@ -484,6 +644,8 @@ def _options(gpus: int, request: Request) -> list[tuple[int, bool, bool]]:
     else:  # on one GPU stages 1-3 partition nothing: they only add buffers
         stages = [0] if gpus == 1 else [0, 3] if request.lora else [2, 3]
     ckpts = [request.gradient_checkpointing] if request.gradient_checkpointing is not None else [False, True]
+    if request.long.offload not in (None, False, 0):  # offloading checkpoints, as asked, needs them
+        ckpts = [True]
     if request.lora:
         order = [(stage, ckpt) for stage in stages for ckpt in ckpts]
     else:
@@ -607,6 +769,86 @@ def _micro_batch_reason(shape: Shape, gpus: int, gpu_memory: int, request: Reque
     )
 
 
+def _long_reasons(shape: Shape, gpus: int, gpu_memory: int, request: Request, plan: Plan) -> dict[str, str]:
+    """Why each of model.long_sequence's switches is on or off: the figures with and without it."""
+    ask, tokens = request.long, plan.micro_batch * request.seq_length
+    memory = predict(shape, gpus, request, plan)
+    fits = f"the run fits without it ({_gib(memory.needed)} of {_gib(gpu_memory)} a GPU)"
+    out = {}
+    for switch, name, asked in (
+        ("tiled_mlp", "tiled MLP", ask.tiled_mlp),
+        ("tiled_loss", "tiled loss", ask.tiled_loss),
+    ):
+        if asked is not None:
+            out[switch] = "set in the config"
+        elif not getattr(plan, switch):
+            out[switch] = f"{fits}: tiling would only add work"
+        else:
+            without = predict(shape, gpus, request, replace(plan, **{switch: False}))
+            what = "activations and scratch take" if switch == "tiled_mlp" else "loss takes"
+            was, now = (
+                (without.activations + without.workspace, memory.activations + memory.workspace)
+                if switch == "tiled_mlp"
+                else (without.logits, memory.logits)
+            )
+            out[switch] = (
+                f"at {tokens} tokens the {what} {_gib(was)} untiled, {_gib(now)} in tiles; without it the run "
+                f"needs {_gib(without.needed)} of {_gib(gpu_memory)} a GPU"
+            )
+    out["offload_checkpoints"] = _offload_reason(shape, gpus, gpu_memory, request, plan, memory)
+    return out
+
+
+def _offload_reason(shape: Shape, gpus: int, gpu_memory: int, request: Request, plan: Plan, memory: Memory) -> str:
+    tokens = plan.micro_batch * request.seq_length
+    layer = tokens * checkpoint_bytes(shape)
+    host = _host_figure(request.host_memory)
+    if request.long.offload is not None:
+        return "set in the config" + (
+            f"; pinned host memory {_gib(memory.offloaded)} of {host}" if plan.offload_layers else ""
+        )
+    if not plan.checkpointing:
+        return "no checkpoints to offload (activation checkpointing is off)"
+    if not plan.offload_layers:
+        return (
+            f"the {shape.layers} layers' checkpoints ({_gib(shape.layers * layer)}: {_gib(layer)} a layer) fit on "
+            f"the GPU ({_gib(memory.needed)} of {_gib(gpu_memory)})"
+        )
+    fewer = predict(shape, gpus, request, replace(plan, offload_layers=plan.offload_layers - 1))
+    return (
+        f"{plan.offload_layers} of {shape.layers} layers' checkpointed inputs ({_gib(layer)} each) in pinned host "
+        f"memory, the fewest that fit: {plan.offload_layers - 1} would need {_gib(fewer.needed)} of "
+        f"{_gib(gpu_memory)} a GPU; host memory {_gib(memory.offloaded + HOST_RESERVED)} of {host} "
+        f"({_gib(memory.offloaded)} offloaded + {_gib(HOST_RESERVED)} the worker's own)"
+    )
+
+
+def _host_figure(host_memory: int | None) -> str:
+    return _gib(host_memory) if host_memory is not None else "an unknown amount (scaling.host_memory unset)"
+
+
+def _host_does_not_fit(shape: Shape, request: Request, resolved: Resolved) -> Problem:
+    memory, plan = resolved.memory, resolved.plan
+    tokens = plan.micro_batch * request.seq_length
+    layers = (
+        (resolved.host_memory - HOST_RESERVED) // host_block(tokens * checkpoint_bytes(shape))
+        if (resolved.host_memory)
+        else 0
+    )
+    return Problem(
+        "scaling.host_memory",
+        _gib(resolved.host_memory) if resolved.host_memory is not None else None,
+        f"{plan.offload_layers} layers' offloaded checkpoints at {tokens} tokens need {_gib(memory.offloaded)} of "
+        f"pinned host memory + {_gib(HOST_RESERVED)} for the worker itself = {_gib(resolved.host_needed)} a GPU "
+        f"worker's host, which has {_host_figure(resolved.host_memory)}; the GPU then needs {_gib(memory.needed)} "
+        f"of {_gib(resolved.gpu_memory)}",
+        "set scaling.host_memory to the GPU nodes' memory (e.g. 128GiB)"
+        if resolved.host_memory is None
+        else f"GPU workers on hosts of at least {_gib(resolved.host_needed)} (scaling.host_memory), a shorter "
+        f"data.seq_length, or a GPU of more memory (this host holds {max(0, layers)} layers' checkpoints)",
+    )
+
+
 # --- what does not fit, and what would ----------------------------------------------------------------------
 
 
@@ -634,6 +876,9 @@ def _fixes(shape: Shape, gpus: int, gpu_memory: int, request: Request) -> list[s
     relaxed = replace(request, zero_stage=None, pure_bf16=None, gradient_checkpointing=None, micro_batch_size="auto")
     if explicit and _search(shape, gpus, gpu_memory, relaxed)[1]:
         out.append(f"leave {', '.join(explicit)} to auto")
+    long = replace(request, long=LongAsk())
+    if request.long != LongAsk() and _search(shape, gpus, gpu_memory, long)[1]:
+        out.append("leave model.long_sequence to auto (the tiled MLP and loss, checkpoints offloaded to host memory)")
     more = next((n for n in (2**k for k in range(13)) if n > gpus and _search(shape, n, gpu_memory, request)[1]), 0)
     if more:
         out.append(f"{more} GPUs of this memory (scaling.num_workers: {more})")
@@ -680,6 +925,8 @@ def _breakdown(memory: Memory) -> str:
         ("margin", memory.margin),
     ]
     text = ", ".join(f"{name} {n / GIB:.1f}" for name, n in parts)
+    if memory.offloaded:
+        text += f"; checkpoints offloaded to host memory {memory.offloaded / GIB:.1f}, not on the GPU"
     if memory.transient_gradients >= GIB // 20:
         text += (
             f"; whole gradients {memory.transient_gradients / GIB:.1f} during backward only, counted where larger "
@@ -700,9 +947,26 @@ def describe(resolved: Resolved) -> list[str]:
         line("precision", _precision_name(r.pure_bf16.value, r.precision), r.pure_bf16),
         line("activation checkpointing", "on" if r.gradient_checkpointing.value else "off", r.gradient_checkpointing),
         line("micro-batch", str(r.micro_batch_size.value), r.micro_batch_size),
+        *_long_lines(r),
         f"memory per GPU: {_gib(m.needed)} of {_gib(r.gpu_memory)} ({'fits' if r.fits else 'does not fit'}): "
         f"{_gib(m.peak)} predicted peak + {_gib(OUTSIDE_TORCH)} outside torch's allocator; {_breakdown(m)}",
         *(str(p) for p in r.problems),
+    ]
+
+
+def _long_lines(r: Resolved) -> list[str]:
+    """model.long_sequence: one line a switch, with why."""
+    value, reasons = r.long_sequence.value, r.long_reasons
+
+    def line(name: str, key: str, shown: str) -> str:
+        why = reasons.get(key, "")
+        return f"{name}: {shown} ({'set' if why.startswith('set in the config') else 'auto'}) - {why}"
+
+    layers = value["offload_checkpoints"]
+    return [
+        line("tiled MLP", "tiled_mlp", "on" if value["tiled_mlp"] else "off"),
+        line("tiled loss", "tiled_loss", "on" if value["tiled_loss"] else "off"),
+        line("offloaded checkpoints", "offload_checkpoints", f"{layers} layers" if layers else "off"),
     ]
 
 
@@ -750,7 +1014,30 @@ def request_from_config(cfg: Any, liger: bool) -> Request:
         offload_optimizer=bool(zero.offload_optimizer and zero.offload_optimizer.on),
         offload_param=bool(zero.offload_param and zero.offload_param.on),
         reduce_bucket_elements=bucket,
+        long=long_ask(m.long_sequence),
+        host_memory=parse_memory(cfg.scaling.host_memory) if cfg.scaling.host_memory else None,
     )
+
+
+def long_ask(long: Any) -> LongAsk:
+    """model.long_sequence ("auto", or its section read by attribute) as a LongAsk."""
+    if long == "auto":
+        return LongAsk()
+
+    def auto(value: Any) -> Any:
+        return None if value == "auto" else value
+
+    return LongAsk(auto(long.tiled_mlp), auto(long.tiled_loss), auto(long.offload_checkpoints))
+
+
+def long_values(resolved: Resolved) -> dict[str, Any]:
+    """model.long_sequence as chosen: concrete switches and the number of offloaded layers."""
+    value = resolved.long_sequence.value
+    return {
+        "tiled_mlp": value["tiled_mlp"],
+        "tiled_loss": value["tiled_loss"],
+        "offload_checkpoints": value["offload_checkpoints"],
+    }
 
 
 # --gpu-memory's units: G, M, K and GiB... binary (as nvidia-smi's MiB), GB, MB, KB decimal.

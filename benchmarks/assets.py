@@ -89,6 +89,19 @@ SHAPES = {
         Shape(
             "llama-8b", "llama", 128256, 4096, 32, 32, kv_heads=8, intermediate=14336, context=8192, rope_theta=500000.0
         ),
+        # The same with a context of 2^20 positions (Llama 3.1's 8B reaches 131,072 by RoPE scaling): the long suite.
+        Shape(
+            "llama-8b-1m",
+            "llama",
+            128256,
+            4096,
+            32,
+            32,
+            kv_heads=8,
+            intermediate=14336,
+            context=1 << 20,
+            rope_theta=500000.0,
+        ),
         # Qwen2-0.5B dimensions: a small hidden size (896), q/k/v biases, tied embeddings, a 151,936-token vocabulary.
         Shape("qwen2-0.5b", "qwen2", 151936, 896, 24, 14, kv_heads=2, intermediate=4864, context=32768, rope_theta=1e6),
         # Tiny shapes for the CPU smoke suite.

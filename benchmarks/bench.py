@@ -237,6 +237,41 @@ CHAT_L8B = chat_case(
     **EIGHT_B,
 )
 
+# The Start-up table's cases, run first in the defaults suite.
+STARTUP = [L1B_1GPU, HF_L1B_1GPU, again(L1B_1GPU), again(HF_L1B_1GPU)]
+
+
+def long_case(seq: int, runner: str = "app", long: Any = "auto", tag: str = "", **kw) -> Case:
+    """Chat SFT of the Llama-3-8B shape (its context extended to 2^20 positions) with LoRA r=16, micro-batch 1,
+    activation checkpointing, pure bf16 at stage 0 and Liger, conversations packed into blocks of `seq` tokens
+    (kept apart: each attends within itself). `long`: model.long_sequence (auto: app/resolve.py chooses, from the
+    GPU's memory and this machine's). The chat corpus holds a block for every step and a spare: a block takes
+    whole conversations of at most assets.CHAT_MAX tokens, hundreds of them at 512k."""
+    steps = kw.pop("steps", 2)
+    warmup = kw.pop("warmup", 1)
+    sets = {**STAGE0, "model.long_sequence": long} if runner == "app" else {**STAGE0}
+    prefix = "trl-" if runner == "trl" else ""
+    name = f"{prefix}long-l8b-{seq // 1024}k{tag}"
+    case = chat_case(name, "llama-8b-1m", 1, 0, True, runner=runner, ckpt=True, seq=seq, sets=sets, **kw)
+    return dataclasses.replace(case, warmup=warmup, steps=steps, corpus_tokens=int(seq * (warmup + steps + 2) * 1.1))
+
+
+# The 8B's LoRA at 32k with model.long_sequence off and with every switch on (the tiled MLP and loss, every layer's
+# checkpoint offloaded: their cost at a length auto leaves them off, at most 10% of the step by issue #52), then
+# auto at 128k, 256k and 512k (on one 141 GB H200 and a 128 GiB host: off, tiles, tiles and 21 layers offloaded),
+# and TRL at 128k and 256k.
+OFF = {"tiled_mlp": False, "tiled_loss": False, "offload_checkpoints": False}
+ON = {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": True}
+LONG = [
+    long_case(32_768, long=OFF, tag="-off", steps=4, estimate=150, timeout=300),
+    long_case(32_768, long=ON, tag="-on", steps=4, estimate=150, timeout=300),
+    long_case(131_072, estimate=200, timeout=400),
+    long_case(262_144, estimate=300, timeout=500),
+    long_case(524_288, estimate=480, timeout=600),
+    long_case(131_072, runner="trl", estimate=200, timeout=400),
+    long_case(262_144, runner="trl", estimate=300, timeout=500),
+]
+
 SUITES: dict[str, list[Case]] = {
     # The tutorial's configuration against the same texts packed (2 x H200).
     "tutorial": [tutorial(), gpt2("gpt2-z2-mb16", 16, 2, estimate=80)],
@@ -284,7 +319,11 @@ SUITES: dict[str, list[Case]] = {
     # The shipped defaults against TRL (1 x H200, issue #50): chat SFT, full-parameter and LoRA, of the Qwen2-0.5B,
     # Llama 1.1B and Llama-3-8B shapes, each beside TRL's SFTTrainer on the same config; every app case sets nothing
     # the app chooses ("defaults": true in its record, "resolved" what it chose). The 8B's weights (16 GB) last.
+    # First, launch to first step phase by phase (the Start-up table, once a suite of its own): each side first on
+    # the machine (the app tokenizing the corpus, the compile caches cold), then each again with the data tokenized
+    # and its compile cache warm.
     "defaults": [
+        *STARTUP,
         *defaults_pair("qwen2-0.5b", False, estimate=60, timeout=180),
         *defaults_pair("qwen2-0.5b", True, estimate=60, timeout=180),
         *defaults_pair("llama-1.1b", False, estimate=90, timeout=180),
@@ -292,9 +331,9 @@ SUITES: dict[str, list[Case]] = {
         *defaults_pair("llama-8b", False, estimate=170, timeout=300, **EIGHT_B_STEPS),
         *defaults_pair("llama-8b", True, estimate=190, timeout=300, **LORA_8B),
     ],
-    # Launch to first step, phase by phase (1 x H200): each side first on the machine (the app tokenizing the
-    # corpus, the compile caches cold), then each again with the data tokenized and its compile cache warm.
-    "startup": [L1B_1GPU, HF_L1B_1GPU, again(L1B_1GPU), again(HF_L1B_1GPU)],
+    # Long sequences on one GPU (1 x H200, issue #52): the Llama-3-8B shape's chat LoRA, one packed block a step,
+    # beside TRL's SFTTrainer; each row records peak GPU memory, the worker's peak host memory (RSS) and step time.
+    "long": LONG,
     # A periodic save in the background (the default) and synchronously, 1.1B and 8B, ZeRO-3 on 2 x H200.
     "ckpt": [
         save_case("l1b-ckpt-async", "llama-1.1b", 16, every=30, background=True, estimate=90, timeout=170),
@@ -588,6 +627,9 @@ def _knobs(
         "pure_bf16": cfg.train.pure_bf16,
         "compile": cfg.model.compile,
         "act_ckpt": cfg.model.gradient_checkpointing,
+        "long_sequence": cfg.model.long_sequence
+        if isinstance(cfg.model.long_sequence, str)
+        else (cfg.model.long_sequence.model_dump()),
         "offload": bool(ds["zero_optimization"].get("offload_optimizer")),
         "ds_config": ds,
         "lora": cfg.model.lora.model_dump() if cfg.model.lora else None,
@@ -619,7 +661,8 @@ def _line(r: dict[str, Any]) -> str:
     startup = "  start-up " + json.dumps(r["startup"]) if r.get("startup") else ""
     return (
         f"step {r.get('step_s', 0):.3f}s  tok/s/GPU {r.get('tokens_per_s_per_gpu', 0):,.0f}  MFU {mfu}  "
-        f"mem {r.get('peak_mem_gib')} GiB  first step {r.get('time_to_first_step_s')}s  wall {r.get('wall_s')}s"
+        f"mem {r.get('peak_mem_gib')} GiB  host {r.get('peak_host_gib')} GiB  "
+        f"first step {r.get('time_to_first_step_s')}s  wall {r.get('wall_s')}s"
         f"{startup}"
     )
 

@@ -207,6 +207,7 @@ def summarise(records: list[dict[str, Any]], warmup: int, launch: float, profile
             "step_s_max": round(max(times), 4),
             "tokens_per_s_per_gpu": round(tokens / sum(times), 1),
             "peak_mem_gib": round(max(r.get("peak_mem_gib", 0.0) for r in records), 2),
+            "peak_host_gib": round(max(r.get("peak_host_gib", 0.0) for r in records), 2),
         }
     )
     if all("mfu" in r for r in timed):

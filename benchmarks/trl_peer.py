@@ -201,6 +201,7 @@ def write_result(
         per_step: round(tokens / len(counts) / every, 1),
         "steps_per_window": every,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        "peak_host_gib": round(metrics.peak_host_gib(), 2),
         "trainable_params": trainable,
         "params": n_params,
         "attn_implementation": attn,

@@ -304,7 +304,7 @@ def test_cpu_workers_take_fixed_values_without_the_memory_model(tmp_path, tiny_m
     assert settled.model is None and settled.resolved is None  # no model config read, no memory model
     assert settled.lines == [
         "auto settings on CPU workers (scaling.use_gpu: false), fixed, without the GPU memory model: ZeRO stage 3, "
-        "fp32 master weights, activation checkpointing off"
+        "fp32 master weights, activation checkpointing off, tiled MLP, tiled loss and offloaded checkpoints off"
     ]
 
 

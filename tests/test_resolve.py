@@ -481,9 +481,12 @@ def test_describe_gives_one_line_a_choice_then_the_memory():
         "precision",
         "activation checkpointing",
         "micro-batch",
+        "tiled MLP",
+        "tiled loss",
+        "offloaded checkpoints",
         "memory per GPU",
     ]
-    assert all("(auto) - " in line for line in lines[:4]) and "fits" in lines[4]
+    assert all("(auto) - " in line for line in lines[:4]) and "fits" in lines[7]
     assert rs.overrides(r) == {
         "deepspeed.zero_optimization.stage": 0,
         "train.pure_bf16": True,
@@ -521,6 +524,7 @@ def test_request_from_the_products_config():
         learning_rate=2e-4,
         offload_optimizer=True,
         reduce_bucket_elements=50_000_000,
+        long=rs.LongAsk(),  # model.long_sequence: auto
     )
     # Every choice explicit today: the resolver only predicts and checks.
     r = rs.resolve(SHAPES["llama-8b"], 4, 80 * GIB, request)
