@@ -111,8 +111,10 @@ class ResumePlan:
         if not saved or (saved == workers and saved_replicas(state, workers) == replicas):
             return cls(name, note=stage_note)
         where = f"the experiment's last checkpoint ({name}) was written by {saved} workers"
-        if state.get("sequence_parallel", 1) != 1 or sp != 1:
-            where += f" ({saved_replicas(state, workers)} data-parallel), this run has {replicas} data-parallel"
+        ours = f"{workers}"
+        if state.get("sequence_parallel", 1) != 1 or sp != 1:  # the global batch counts data-parallel groups
+            where += f" ({saved_replicas(state, workers)} data-parallel)"
+            ours += f" ({replicas} data-parallel)"
 
         def refuse(message: str, fix: str) -> ResumePlan:
             return cls(name, problems=(Problem("scaling.num_workers", workers, message, fix),))
@@ -142,7 +144,7 @@ class ResumePlan:
             )
         else:
             batch = f"the global batch stays {global_batch} sequences"
-        note = f"{where}, this run has {workers}: {batch}; "
+        note = f"{where}, this run has {ours}: {batch}; "
         if saved == workers:  # the same ranks hold the same ZeRO partitions: only the batch's split changed
             note += "the checkpoint is loaded as written"
         else:
