@@ -195,6 +195,7 @@ class Request:
     offload_optimizer: bool = False
     offload_param: bool = False
     reduce_bucket_elements: int | None = None  # deepspeed.zero_optimization.reduce_bucket_size when a number
+    sequence_parallel: int = 1  # scaling.sequence_parallel: each GPU holds that share of a sequence's tokens
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,8 @@ def predict(shape: Shape, gpus: int, request: Request, plan: Plan) -> Memory:
     trained = shape.layers * sum(request.lora.r * (a + b) for a, b in lora) if request.lora else shape.params()
     frozen = shape.params() if request.lora else 0
     weights, grads, transient, optimizer = _states(trained, frozen, gpus, request, plan)
-    tokens = plan.micro_batch * request.seq_length
+    # Under sequence parallelism a GPU keeps the activations and logits of its shard only.
+    tokens = plan.micro_batch * request.seq_length // request.sequence_parallel
     return Memory(
         weights=weights,
         gradients=grads,
@@ -736,6 +738,7 @@ def request_from_config(cfg: Any, liger: bool) -> Request:
     bucket = zero.to_dict().get("reduce_bucket_size")  # "auto" (app.ds_config's rule) or a number
     bucket = int(bucket) if isinstance(bucket, (int, float)) and not isinstance(bucket, bool) else None
     return Request(
+        sequence_parallel=cfg.scaling.sequence_parallel,
         seq_length=cfg.data.seq_length,
         micro_batch_size=t.micro_batch_size,
         zero_stage=auto(zero.stage),

@@ -107,7 +107,7 @@ def test_padded_text_trains_as_one_worker_with_the_whole_sequence(text_runs):
     worst = assert_same(expected, got, ("loss", "grad_norm"), range(1, 5))
     print(f"padded text: largest relative difference {worst:.1e}")
     # The eval loss is the token mean over the whole split either way.
-    assert_same(steps(storage / "one", "eval"), steps(storage / "sp", "eval"), ("loss",), (2, 4))
+    assert_same(steps(storage / "one", "eval"), steps(storage / "sp", "eval"), ("eval_loss",), (2, 4))
     # The throughput counts every worker's shard: the same target tokens a step over twice the workers.
     ds = json.loads((storage / "sp" / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 4 * 2 and ds["sequence_parallel_size"] == 2, ds
@@ -140,6 +140,28 @@ def test_a_resume_on_one_worker_without_it_keeps_the_global_batch(chat_runs):
     expected, got = steps(storage / "one"), steps(other / "resumed")
     assert sorted(got) == list(range(1, 9))
     assert_same(expected, got, ("loss", "grad_norm"), range(4, 9))
+
+
+def test_a_sigterm_to_one_worker_of_a_group_saves_the_step_and_the_redeploy_redoes_nothing(
+    chat_runs, tmp_path, tiny_model
+):
+    """Preemption under it: rank 1 (the second shard of the one group) gets SIGTERM after step 5; every rank saves
+    step 5 and the run exits 4; the redeploy resumes at step 5 with nothing redone, on the uninterrupted losses."""
+    storage = chat_runs[0]
+    first = run_cli(
+        "train",
+        *tiny_overrides(tmp_path, "pre", tiny_model, **CHAT, **SP),
+        env={"FINETUNE_FAULT_SIGTERM_AT_STEP": "5:1"},
+    )
+    out = first.stdout + first.stderr
+    assert first.returncode == 4 and "preempted at step 5, checkpoint written in" in out, out[-6000:]
+    resumed = train(tmp_path, "pre", tiny_model, **CHAT, **SP)
+    assert re.search(r"at global step 5 \(epoch 0, step 5 of the epoch\).*; no step is redone", resumed), resumed[
+        -4000:
+    ]
+    got = steps(tmp_path / "pre")
+    assert sorted(got) == list(range(1, 9))
+    assert_same(steps(storage / "sp"), got, ("loss", "grad_norm"), range(1, 9))
 
 
 # --- no cluster: the shards, the resume plan and the refusals ------------------------------------------------
@@ -243,3 +265,18 @@ def test_validate_refuses_before_any_cluster_with_one_line_and_says_the_degrees(
     assert good.returncode == 0, good.stderr[-3000:]
     assert "# sequence parallel 2 x data parallel 1 = 2 workers" in good.stdout
     assert '"sequence_parallel_size": 2' in good.stdout and '"train_batch_size": 4' in good.stdout
+
+
+def test_the_memory_model_gives_each_gpu_its_shard_of_the_activations():
+    """app.resolve (the auto settings' memory model): 8 GPUs sharing one 256k-token sequence keep a 32k share each."""
+    from app import resolve as rs
+
+    llama8b = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8
+    )
+    shape, plan = rs.shape_from_config(llama8b), rs.Plan(3, True, True, 1)
+    whole = rs.predict(shape, 8, rs.Request(seq_length=262_144, micro_batch_size=1), plan)
+    shared = rs.predict(shape, 8, rs.Request(seq_length=262_144, micro_batch_size=1, sequence_parallel=8), plan)
+    one_gpu = rs.predict(shape, 8, rs.Request(seq_length=32_768, micro_batch_size=1), plan)
+    assert shared.activations == one_gpu.activations and whole.activations == 8 * shared.activations
+    assert shared.weights == whole.weights  # ZeRO still partitions over all 8
