@@ -136,7 +136,8 @@ def test_a_resume_on_one_worker_without_it_keeps_the_global_batch(chat_runs):
     storage, other, _, _, moved = chat_runs
     assert "written by 2 workers (1 data-parallel), this run has 1 (1 data-parallel)" in moved, moved[-6000:]
     assert "the global batch stays 2 sequences" in moved
-    assert (other / "resumed" / "checkpoints" / "step-00000003" / "universal" / ".done").exists()
+    # (the converted folder went with step 3 itself: checkpoint.keep 3 kept steps 4, 6 and 8)
+    assert "step-00000003 was written by 2 workers and this run has 1: loaded it through DeepSpeed's universal" in moved
     expected, got = steps(storage / "one"), steps(other / "resumed")
     assert sorted(got) == list(range(1, 9))
     assert_same(expected, got, ("loss", "grad_norm"), range(4, 9))
@@ -162,6 +163,39 @@ def test_a_sigterm_to_one_worker_of_a_group_saves_the_step_and_the_redeploy_redo
     got = steps(tmp_path / "pre")
     assert sorted(got) == list(range(1, 9))
     assert_same(steps(storage / "sp"), got, ("loss", "grad_norm"), range(1, 9))
+
+
+def tiny_llama(folder: Path, tokenizer_from: Path) -> Path:
+    """A 2-layer Llama with one key/value head for 4 query heads (multi-query attention: under sequence parallel 2
+    each worker repeats it) and rotary positions, random weights, the tiny GPT-2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_a_multi_query_llama_trains_as_one_worker_with_the_whole_sequence(tmp_path, tiny_model):
+    """Rotary positions from the gathered position ids, and the one key/value head repeated on both workers."""
+    model = tiny_llama(tmp_path / "llama", tiny_model)
+    sets = {**CHAT, "train.max_steps_per_epoch": 4, "checkpoint.every_steps": "null"}
+    train(tmp_path, "one", model, **sets, **ONE)
+    train(tmp_path, "sp", model, **sets, **SP)
+    worst = assert_same(steps(tmp_path / "one"), steps(tmp_path / "sp"), ("loss", "grad_norm"), range(1, 5))
+    print(f"multi-query llama, packed chat: largest relative difference {worst:.1e}")
 
 
 # --- no cluster: the shards, the resume plan and the refusals ------------------------------------------------
