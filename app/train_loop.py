@@ -75,7 +75,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     # Model and DeepSpeed engine.
     marks["data"] = time.time()
     model, engine, shards = build_engine(cfg, ds_config, policy.total_steps, batches.packed, marks)
-    options = loss_options(model, t.micro_batch_size * cfg.data.seq_length)
+    options = loss_options(model, micro_batch_tokens(cfg))
     # Preference tuning: its reference in place (a pass stores it, before a resume loads any checkpoint).
     objective = preference_train.setup(cfg, engine, ds_config, batches.splits(), loop_config["data"], rank)
 
@@ -146,14 +146,19 @@ def start_worker(cfg: TrainingConfig, rank: int) -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the process group Ray created
 
 
+def micro_batch_tokens(cfg: TrainingConfig) -> int:
+    """The tokens of a micro-batch on one worker (a shard of each sequence under sequence parallelism): what the loss's
+    chunks and FP8's choice of layers are sized for."""
+    return cfg.train.micro_batch_size * cfg.data.seq_length // cfg.scaling.sequence_parallel
+
+
 def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: int, packed: bool, marks: dict):
     """(the model, the DeepSpeed engine over it, this worker's sequence shards or None), with the app's AdamW and
     schedule unless the block names its own; `marks` gets the times the model and the engine were ready."""
     import deepspeed
 
     started = time.perf_counter()
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_length
-    model = load_model(cfg.model, ds_config, separate_documents=packed, tokens=tokens)
+    model = load_model(cfg.model, ds_config, separate_documents=packed, tokens=micro_batch_tokens(cfg))
     plain = plain_bf16(cfg)
     if plain:
         model = model.to(torch.bfloat16)  # DeepSpeed's mixed precision is off: nothing else casts it
