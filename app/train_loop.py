@@ -556,7 +556,9 @@ class Evaluator:
     def run(self, step: int) -> float | None:
         """The loss; None, with a warning, when the eval split holds no target token."""
         engine, t, eval_set = self.engine, self.cfg.train, self.batches.eval_set
-        loader = data.make_eval_loader(eval_set, t.micro_batch_size, self.world, self.rank, self.batches.collate)
+        loader = data.make_eval_loader(
+            eval_set, t.micro_batch_size, self.world, self.rank, self.batches.collate, self.shards is not None
+        )
         if self.objective is not None:
             return self.run_pairs(step, loader)
         engine.eval()

@@ -314,3 +314,17 @@ def test_the_memory_model_gives_each_gpu_its_shard_of_the_activations():
     one_gpu = rs.predict(shape, 8, rs.Request(seq_length=32_768, micro_batch_size=1), plan)
     assert shared.activations == one_gpu.activations and whole.activations == 8 * shared.activations
     assert shared.weights == whole.weights  # ZeRO still partitions over all 8
+
+
+def test_the_eval_split_comes_in_whole_micro_batches_each_sample_counted_once():
+    """The adapter is built for one micro-batch shape: under sequence parallelism each rank's eval share is padded to
+    whole micro-batches with label-less repeats, so no batch is short and no sample counts twice."""
+    from app import data
+
+    rows = [{"input_ids": torch.full((4,), i), "labels": torch.full((4,), i)} for i in range(10)]
+    for world in (1, 2):
+        batches = [b for rank in range(world) for b in data.make_eval_loader(rows, 4, world, rank, None, True)]
+        assert all(len(b["input_ids"]) == 4 for b in batches)
+        counted = [int(x) for b in batches for x in b["labels"][:, 0] if x != -100]
+        assert sorted(counted) == list(range(10)), (world, counted)
+    assert [len(b["input_ids"]) for b in data.make_eval_loader(rows, 4, 1, 0)] == [4, 4, 2]  # as before, without it
