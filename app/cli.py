@@ -262,7 +262,7 @@ def cmd_validate(args) -> Exit:
             print(f"note: {line}", file=sys.stderr)
     for problem in preflight.resource_problems(cfg):  # validate may check a config meant for a cluster
         print(f"note: `finetune train` on this machine (no RAY_ADDRESS) would refuse: {problem}", file=sys.stderr)
-    shown = [f"# {line}" for line in auto.lines]
+    shown = [f"# {line}" for line in auto.lines + parallelism(cfg)]
     if args.ds_config_only:  # the JSON alone on standard output
         print("\n".join(shown), file=sys.stderr)
     else:
@@ -394,6 +394,19 @@ def cmd_preempt(args) -> Exit:
     return Exit.OK
 
 
+def parallelism(cfg: config_mod.TrainingConfig) -> list[str]:
+    """How the workers split the work, where sequence parallelism is on (one line; none when it is off)."""
+    s = cfg.scaling
+    if s.sequence_parallel == 1:
+        return []
+    return [
+        f"sequence parallel {s.sequence_parallel} x data parallel {s.data_parallel} = {s.num_workers} workers: each "
+        f"sequence of {cfg.data.seq_length} tokens is split over {s.sequence_parallel} workers "
+        f"({cfg.data.seq_length // s.sequence_parallel} tokens each), and {s.data_parallel} group(s) read their own "
+        "batches"
+    ]
+
+
 def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     """The resolved config in two lines: what trains on what, and how."""
     t, s = cfg.train, cfg.scaling
@@ -409,9 +422,12 @@ def summary(cfg: config_mod.TrainingConfig, ds: dict) -> str:
     else:
         splits = data_files.folder_splits(d.dataset, d.config_name, d.split)
         what = f"{d.dataset} ({splits + '; ' if splits else ''}"
+    workers = f"{s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers"
+    if s.sequence_parallel > 1:  # how the workers split: sequences across a group, batches across the groups
+        workers += f" (sequence parallel {s.sequence_parallel} x data parallel {s.data_parallel})"
     return (
         f"model: {cfg.model.name_or_path}   data: {what}{d.seq_length} tokens/sequence)\n"
-        f"train: {t.epochs} epoch(s) x {steps}, {s.num_workers} {'GPU' if s.use_gpu else 'CPU'} workers, ZeRO-{zero}, "
+        f"train: {t.epochs} epoch(s) x {steps}, {workers}, ZeRO-{zero}, "
         f"{precision}, micro-batch {ds.get('train_micro_batch_size_per_gpu')} x accumulation "
         f"{ds.get('gradient_accumulation_steps')}, lr {t.learning_rate:g} ({t.lr_scheduler})"
     )

@@ -431,6 +431,15 @@ class CheckpointConfig(Section):
 class ScalingConfig(Section):
     num_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Ray Train workers (one per GPU when use_gpu).")
     use_gpu: bool = Field(True, description="One GPU per worker, NCCL; false: CPU workers, gloo, DS_ACCELERATOR=cpu.")
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        le=MAX_WORKERS,
+        description="Workers (GPUs) that share one sequence: DeepSpeed's Ulysses sequence parallelism splits each "
+        "sequence into this many shards and exchanges attention heads between them, so a sequence too long for one "
+        "GPU's activations trains across several. It must divide num_workers (the data-parallel degree is "
+        "num_workers / sequence_parallel) and the model's attention heads. 1: off.",
+    )
     cpus_per_worker: float = Field(1, gt=0, le=1024, description="CPUs Ray reserves for each worker.")
     gpu_memory: str | None = Field(
         None,
@@ -473,6 +482,12 @@ class ScalingConfig(Section):
         "before the run fails: torch's process-group timeout (NCCL's and gloo's default, 30 minutes). No worker "
         "waits in one for data: it is prepared before they start.",
     )
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the model that each see their own batches: the workers divided among the sequences they share
+        (at least 1; a sequence_parallel that does not divide num_workers is refused by app.sequence_parallel)."""
+        return max(1, self.num_workers // self.sequence_parallel)
 
     @field_validator("gpu_memory", "host_memory")
     @classmethod

@@ -171,7 +171,8 @@ def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
     log.info(
         f"DeepSpeed config: ZeRO-{cfg.zero_stage}, {ds['train_batch_size']} sequences a step "
         f"({ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} accumulation x "
-        f"{cfg.scaling.num_workers} workers), {cfg.train.precision}; every value in {path}"
+        f"{cfg.scaling.data_parallel} {'workers' if cfg.scaling.sequence_parallel == 1 else 'data-parallel groups'}), "
+        f"{cfg.train.precision}; every value in {path}"
     )
 
 

@@ -24,7 +24,7 @@ def check(cfg: TrainingConfig, world_size: int | None = None) -> list[Problem]:
     """Problems of the block against the other sections: precision, batch sizes and the number of workers (of the
     settings app.autoset chose; where one is still auto, of its stand-in)."""
     cfg = stand_ins(cfg)
-    return _check_precision(cfg) + _check_batch(cfg, world_size or cfg.scaling.num_workers)
+    return _check_precision(cfg) + _check_batch(cfg, data_parallel(cfg, world_size))
 
 
 def _check_precision(cfg: TrainingConfig) -> list[Problem]:
@@ -63,6 +63,12 @@ def plain_bf16(cfg: TrainingConfig) -> bool:
     return cfg.train.pure_bf16 is True and cfg.deepspeed.zero_stage == 0
 
 
+def data_parallel(cfg: TrainingConfig, world_size: int | None = None) -> int:
+    """The data-parallel degree of `world_size` workers (default: scaling.num_workers): the workers of one sequence
+    (scaling.sequence_parallel) share its batch, so a global batch counts each group once."""
+    return max(1, (world_size or cfg.scaling.num_workers) // cfg.scaling.sequence_parallel)
+
+
 def global_batch(micro_batch_size: int, accumulation: int, world: int) -> int:
     """Sequences per optimizer step: the rule DeepSpeed enforces on train_batch_size."""
     return micro_batch_size * accumulation * world
@@ -81,12 +87,14 @@ def _check_batch(cfg: TrainingConfig, world: int) -> list[Problem]:
                 Problem(f"deepspeed.{key}", value, f"differs from {field}={ours}", f"set it to 'auto' (or to {ours})")
             )
     expected = global_batch(t.micro_batch_size, t.gradient_accumulation_steps, world)
+    sp = cfg.scaling.sequence_parallel
+    workers = "workers" if sp == 1 else f"data-parallel workers (num_workers / sequence_parallel {sp})"
     if ds.train_batch_size != AUTO and ds.train_batch_size != expected:
         problems.append(
             Problem(
                 "deepspeed.train_batch_size",
                 ds.train_batch_size,
-                f"must equal micro-batch x accumulation x workers = {t.micro_batch_size} x "
+                f"must equal micro-batch x accumulation x {workers} = {t.micro_batch_size} x "
                 f"{t.gradient_accumulation_steps} x {world} = {expected}",
                 "set it to 'auto', or change train.micro_batch_size / gradient_accumulation_steps / "
                 "scaling.num_workers",
@@ -150,7 +158,7 @@ def build(
     are built as they were before auto existed (config.BEFORE_AUTO)."""
     cfg = stand_ins(cfg)  # a run's config has its auto settings chosen (app.autoset); a test's may not
     t = cfg.train
-    world = world_size or cfg.scaling.num_workers
+    world = data_parallel(cfg, world_size)
     ds = cfg.deepspeed.to_dict()
     fill = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -173,6 +181,10 @@ def build(
     # default) for a figure nothing reads (the loop times its own steps): a host sync that drains the GPU's queue
     # every step. Off unless the block configures it.
     ds.setdefault("timers", {"throughput": {"enabled": False}})
+    if cfg.scaling.sequence_parallel > 1:
+        # Read where DeepSpeed builds its config without the engine's parallel state (ZeRO-3's zero.Init under
+        # transformers' HfDeepSpeedConfig): its batch check then counts data-parallel replicas, not workers.
+        ds["sequence_parallel_size"] = cfg.scaling.sequence_parallel
     if ds.get("grad_accum_dtype") == AUTO:
         ds["grad_accum_dtype"] = {"bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")
     if t.precision != "bf16" and ds.get("grad_accum_dtype") == "bf16":

@@ -152,11 +152,20 @@ class _TiledLoss(torch.autograd.Function):
 
 
 def tiled_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    num_items_in_batch: Any = None,
+    shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' causal LM loss (labels shifted left by one, IGNORE left out, the mean over the targets or the
-    sum over num_items_in_batch) without the logits: tiles of at most LOSS_TILE_ELEMENTS logits."""
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+    sum over num_items_in_batch) without the logits: tiles of at most LOSS_TILE_ELEMENTS logits. `shift_labels`,
+    as transformers takes them, are already shifted: a sequence-parallel shard's (app.sequence_parallel), whose last
+    token's target is the next shard's first."""
+    if shift_labels is not None:
+        shifted = shift_labels.reshape(-1)
+    else:
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if num_items_in_batch is None:
         count = (shifted != IGNORE).sum().clamp(min=1).float()
@@ -180,15 +189,15 @@ def tile_loss(model: torch.nn.Module) -> None:
     head = model.get_output_embeddings()
     body = model.base_model
 
-    def forward(input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
-        if labels is None:  # logits asked for (generation, the packed-documents check): the model's own forward
+    def forward(input_ids=None, labels=None, num_items_in_batch=None, shift_labels=None, **kwargs):
+        if labels is None and shift_labels is None:  # logits asked for (generation, the packed-documents check)
             return own(input_ids=input_ids, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         kwargs.pop("logits_to_keep", None)
         kwargs.pop("use_cache", None)
         hidden = body(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
-        loss = tiled_cross_entropy(hidden, head.weight, labels, num_items_in_batch)
+        loss = tiled_cross_entropy(hidden, head.weight, labels, num_items_in_batch, shift_labels)
         return CausalLMOutputWithPast(loss=loss, logits=None)
 
     model.forward = forward

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from app import data, ds_config
+from app import data, ds_config, sequence_parallel
 from app.config import SOURCE_KEYS, DataConfig, TrainingConfig, stand_ins
 from app.data import chat
 from app.data import files as data_files
@@ -86,7 +86,7 @@ def problems(
     found += unread + (check_seq_length(cfg.data.seq_length, mc) if mc is not None else [])
     if not whole:
         return Found(found, mc, note)
-    found += compile_problems(cfg) + attention_problems(cfg)
+    found += compile_problems(cfg) + attention_problems(cfg) + sequence_parallel.problems(cfg, mc)
     if mc is not None:
         found += packed_documents_problems(cfg.data, mc)
     if not found and cfg.model.fp8 and mc is not None:

@@ -222,6 +222,7 @@ class Request:
     # passes model.long_sequence, whose default is auto.
     long: LongAsk = LongAsk(False, False, False)
     host_memory: int | None = None  # bytes of each GPU worker's host memory, for offloaded checkpoints
+    sequence_parallel: int = 1  # scaling.sequence_parallel: each GPU holds that share of a sequence's tokens
 
 
 @dataclass(frozen=True)
@@ -339,7 +340,7 @@ def predict(shape: Shape, gpus: int, request: Request, plan: Plan) -> Memory:
     trained = shape.layers * sum(request.lora.r * (a + b) for a, b in lora) if request.lora else shape.params()
     frozen = shape.params() if request.lora else 0
     weights, grads, transient, optimizer = _states(trained, frozen, gpus, request, plan)
-    tokens = plan.micro_batch * request.seq_length
+    tokens = gpu_tokens(request, plan)
     return Memory(
         weights=weights,
         gradients=grads,
@@ -350,6 +351,11 @@ def predict(shape: Shape, gpus: int, request: Request, plan: Plan) -> Memory:
         workspace=_workspace(shape, gpus, request, plan, tokens, trained),
         offloaded=plan.offload_layers * host_block(tokens * checkpoint_bytes(shape)),
     )
+
+
+def gpu_tokens(request: Request, plan: Plan) -> int:
+    """The tokens of a micro-batch one GPU holds: under sequence parallelism, its shard of each sequence only."""
+    return plan.micro_batch * request.seq_length // request.sequence_parallel
 
 
 def checkpoint_bytes(shape: Shape) -> int:
@@ -771,7 +777,7 @@ def _micro_batch_reason(shape: Shape, gpus: int, gpu_memory: int, request: Reque
 
 def _long_reasons(shape: Shape, gpus: int, gpu_memory: int, request: Request, plan: Plan) -> dict[str, str]:
     """Why each of model.long_sequence's switches is on or off: the figures with and without it."""
-    ask, tokens = request.long, plan.micro_batch * request.seq_length
+    ask, tokens = request.long, gpu_tokens(request, plan)
     memory = predict(shape, gpus, request, plan)
     fits = f"the run fits without it ({_gib(memory.needed)} of {_gib(gpu_memory)} a GPU)"
     out = {}
@@ -800,7 +806,7 @@ def _long_reasons(shape: Shape, gpus: int, gpu_memory: int, request: Request, pl
 
 
 def _offload_reason(shape: Shape, gpus: int, gpu_memory: int, request: Request, plan: Plan, memory: Memory) -> str:
-    tokens = plan.micro_batch * request.seq_length
+    tokens = gpu_tokens(request, plan)
     layer = tokens * checkpoint_bytes(shape)
     host = _host_figure(request.host_memory)
     if request.long.offload is not None:
@@ -829,7 +835,7 @@ def _host_figure(host_memory: int | None) -> str:
 
 def _host_does_not_fit(shape: Shape, request: Request, resolved: Resolved) -> Problem:
     memory, plan = resolved.memory, resolved.plan
-    tokens = plan.micro_batch * request.seq_length
+    tokens = gpu_tokens(request, plan)
     layers = (
         (resolved.host_memory - HOST_RESERVED) // host_block(tokens * checkpoint_bytes(shape))
         if (resolved.host_memory)
@@ -1000,6 +1006,7 @@ def request_from_config(cfg: Any, liger: bool) -> Request:
     bucket = zero.to_dict().get("reduce_bucket_size")  # "auto" (app.ds_config's rule) or a number
     bucket = int(bucket) if isinstance(bucket, (int, float)) and not isinstance(bucket, bool) else None
     return Request(
+        sequence_parallel=cfg.scaling.sequence_parallel,
         seq_length=cfg.data.seq_length,
         micro_batch_size=t.micro_batch_size,
         zero_stage=auto(zero.stage),

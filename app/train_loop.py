@@ -33,6 +33,7 @@ from app import (
     preemption,
     preference_train,
     profiling,
+    sequence_parallel,
 )
 from app.config import TrainConfig, TrainingConfig
 from app.data import chat
@@ -69,12 +70,12 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     tokenizer = load_tokenizer(cfg.model)
     chat.keep_template(tokenizer, cfg.data)
     batches = Batches.prepare(cfg, tokenizer, loop_config["data"], rank, world)
-    policy = SavePolicy.of(cfg, batches.sequences, world)
+    policy = SavePolicy.of(cfg, batches.sequences, batches.replicas)
 
     # Model and DeepSpeed engine.
     marks["data"] = time.time()
-    model, engine = build_engine(cfg, ds_config, policy.total_steps, batches.packed, marks)
-    options = loss_options(model, t.micro_batch_size * cfg.data.seq_length)
+    model, engine, shards = build_engine(cfg, ds_config, policy.total_steps, batches.packed, marks)
+    options = loss_options(model, micro_batch_tokens(cfg))
     # Preference tuning: its reference in place (a pass stores it, before a resume loads any checkpoint).
     objective = preference_train.setup(cfg, engine, ds_config, batches.splits(), loop_config["data"], rank)
 
@@ -86,7 +87,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
         log.info(f"starting {cfg.experiment.name} from scratch: {policy.total_steps} steps")
     metrics = start_metrics(model, cfg, policy.total_steps, position, world, marks) if rank == 0 else None
     window = Window(engine.device, objective)
-    evaluator = Evaluator(engine, batches, cfg, world, rank, metrics, objective)
+    evaluator = Evaluator(engine, batches, cfg, batches.replicas, batches.replica, metrics, objective, shards)
     step_ended = faults.step_hook(rank, world, run_dir)  # test-only fault drills; does nothing otherwise
     preempt = preemption.RankWatch(run_dir, lease_token, world, cfg.scaling.use_gpu)
     checkpoints = CheckpointManager.of(
@@ -104,7 +105,7 @@ def train_loop(loop_config: dict[str, Any]) -> None:
             break
         first = position["step_in_epoch"] if epoch == position["epoch"] else 0
         for step_in_epoch, micro_batches in batches.epoch(epoch, first, policy.steps_per_epoch, window.clock):
-            loss, tokens = train_step(engine, micro_batches, step + 1, profiler, options, objective)
+            loss, tokens = train_step(engine, micro_batches, step + 1, profiler, options, objective, shards)
             step += 1
             checkpoints.prepare()  # once, now that the optimizer's state exists: host buffers for background saves
             faults.maybe_sigterm(step, rank, world, run_dir)  # test-only: off unless FINETUNE_FAULT_SIGTERM_AT_STEP
@@ -145,14 +146,21 @@ def start_worker(cfg: TrainingConfig, rank: int) -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the process group Ray created
 
 
+def micro_batch_tokens(cfg: TrainingConfig) -> int:
+    """The tokens of a micro-batch on one worker (a shard of each sequence under sequence parallelism): what the loss's
+    chunks and FP8's choice of layers are sized for."""
+    return cfg.train.micro_batch_size * cfg.data.seq_length // cfg.scaling.sequence_parallel
+
+
 def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: int, packed: bool, marks: dict):
-    """(the model, the DeepSpeed engine over it), with the app's AdamW and schedule unless the block names its
-    own; `marks` gets the times the model and the engine were ready."""
+    """(the model, the DeepSpeed engine over it, this worker's sequence shards or None), with the app's AdamW and
+    schedule unless the block names its own; `marks` gets the times the model and the engine were ready."""
     import deepspeed
 
     started = time.perf_counter()
-    tokens = cfg.train.micro_batch_size * cfg.data.seq_length
-    model = load_model(preference_train.policy_model(cfg), ds_config, separate_documents=packed, tokens=tokens)
+    model = load_model(
+        preference_train.policy_model(cfg), ds_config, separate_documents=packed, tokens=micro_batch_tokens(cfg)
+    )
     plain = plain_bf16(cfg)
     if plain:
         model = model.to(torch.bfloat16)  # DeepSpeed's mixed precision is off: nothing else casts it
@@ -160,22 +168,26 @@ def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: in
     t = cfg.train
     offloaded = cfg.deepspeed.optimizer_offloaded
     optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, offloaded, clips=plain)
+    mpu, shards = sequence_parallel.setup(model, cfg, ds_config)  # the attention wrapped, the groups made (None: off)
     # A callable: DeepSpeed wraps the optimizer first, and the schedule must drive the wrapper's groups.
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         config=ds_config,
         lr_scheduler=lambda opt: build_scheduler(opt, t, total_steps),
+        mpu=mpu,
     )
-    if plain:  # stage 0: averaging one worker's gradients would only copy them twice
-        engine.enable_backward_allreduce = engine.dp_world_size > 1
-    if packed and model.config._attn_implementation != attention.VARLEN:
+    if plain:  # stage 0: averaging one worker's gradients would only copy them twice (a group's shards: summed)
+        engine.enable_backward_allreduce = engine.seq_dp_world_size > 1
+    # Under sequence parallelism the probe's one short row cannot be cut into the run's shards; the attention it
+    # would check is transformers' own over the whole batch's boundaries (app.sequence_parallel.problems).
+    if packed and shards is None and model.config._attn_implementation != attention.VARLEN:
         refuse_leaking_attention(engine, model.config)
     if cfg.model.compile:
         engine.compile()  # compiles lazily, at the first forward pass
     log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
     marks["engine"] = time.time()
-    return model, engine
+    return model, engine, shards
 
 
 # Of the logits' scale: a document kept apart moves by exactly 0, one that sees the one before by 4e-3 or more.
@@ -265,24 +277,30 @@ def train_step(
     profiler: profiling.StepProfiler = profiling.OFF,
     options: dict[str, Any] | None = None,
     objective: preference_train.Objective | None = None,
+    shards: sequence_parallel.Shards | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimizer step `step` over its micro-batches (DeepSpeed steps the optimizer after the last of them);
     `options`: more keyword arguments for the forward (app.model.loss_options); `objective`: preference tuning's
-    loss instead of the model's own. Returns the summed micro-batch losses and the number of tokens that counted in
-    the loss (preference pairs: every token of their sequences, which the loss reads)."""
+    loss instead of the model's own; `shards`: this worker's part of each sequence (sequence parallelism). Returns
+    the summed micro-batch losses (each the whole sequence's, under sequence parallelism) and the number of tokens
+    that counted in the loss on this worker (preference pairs: every token of their sequences, which the loss
+    reads)."""
     options = options or {}
     losses = torch.zeros((), device=engine.device)
     tokens = torch.zeros((), device=engine.device)
     with profiler.step(step):
         for batch in micro_batches:
+            shown = None  # the micro-batch's loss, where this worker's loss is a part of it
             if objective is not None:
                 loss, _, read, _ = objective.loss(engine, batch)
+            elif shards is not None:
+                loss, read, shown = shards.loss(engine, batch, options)
             else:
                 loss, read = engine(**batch, **options).loss, (batch["labels"][:, 1:] != -100).sum()
             loss = faults.maybe_poison(loss, step)  # test-only NaN drill: off unless set
             engine.backward(loss)
             engine.step()
-            losses += loss.detach()
+            losses += loss.detach() if shown is None else shown
             tokens += read
     return losses, tokens
 
@@ -336,6 +354,8 @@ class Batches:
     sequences: int
     micro_batch_size: int
     accumulation: int
+    replicas: int  # data-parallel: the workers over scaling.sequence_parallel (a group's workers share its batches)
+    replica: int  # this worker's group
 
     @classmethod
     def prepare(cls, cfg: TrainingConfig, tokenizer, where: dict[str, str], rank: int, world: int) -> Batches:
@@ -347,6 +367,9 @@ class Batches:
 
         t = cfg.train
         faults.maybe_raise("data", rank)  # test-only: off unless FINETUNE_FAULT_RAISE
+        # The workers of one sequence-parallel group read the same batches: the data is split over the groups
+        # (consecutive ranks, as DeepSpeed's parallel state builds them), not over the workers.
+        replicas, replica = world // cfg.scaling.sequence_parallel, rank // cfg.scaling.sequence_parallel
         if "cache" in where:
             train_set, eval_set = data.load_cache(Path(where["cache"]))
         else:
@@ -356,7 +379,7 @@ class Batches:
         if cfg.preference is not None:  # pairs: their answers found in every batch, packed or not
             collate = data.PairCollator(tokenizer.eos_token_id, cfg.data.packing)
         loader = data.make_loader(
-            train_set, t.micro_batch_size, world, rank, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate
+            train_set, t.micro_batch_size, replicas, replica, cfg.data.shuffle, t.seed, cfg.data.loader_workers, collate
         )
         sampler = loader.sampler
         loader = prepare_data_loader(loader, add_dist_sampler=False)
@@ -370,6 +393,8 @@ class Batches:
             len(train_set),
             t.micro_batch_size,
             t.gradient_accumulation_steps,
+            replicas,
+            replica,
         )
 
     def splits(self) -> dict[str, Any]:
@@ -408,6 +433,7 @@ class CheckpointManager:
         t = cfg.train
         self.run = {  # what each checkpoint's state records besides its position
             "world_size": world,
+            "sequence_parallel": cfg.scaling.sequence_parallel,  # with world_size, the data-parallel replicas
             "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
             "precision": t.precision,
@@ -523,6 +549,7 @@ class Evaluator:
     rank: int
     metrics: MetricsLogger | None
     objective: preference_train.Objective | None = None
+    shards: sequence_parallel.Shards | None = None
 
     def due(self, step: int) -> bool:
         every = self.cfg.train.eval_every_steps
@@ -531,7 +558,9 @@ class Evaluator:
     def run(self, step: int) -> float | None:
         """The loss; None, with a warning, when the eval split holds no target token."""
         engine, t, eval_set = self.engine, self.cfg.train, self.batches.eval_set
-        loader = data.make_eval_loader(eval_set, t.micro_batch_size, self.world, self.rank, self.batches.collate)
+        loader = data.make_eval_loader(
+            eval_set, t.micro_batch_size, self.world, self.rank, self.batches.collate, self.shards is not None
+        )
         if self.objective is not None:
             return self.run_pairs(step, loader)
         engine.eval()
@@ -541,8 +570,12 @@ class Evaluator:
                 if t.eval_max_batches and i >= t.eval_max_batches:
                     break
                 batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                n = (batch["labels"][:, 1:] != -100).sum()
-                loss = engine(**batch).loss.float()  # a batch without targets (EvalShard's wrap-around): NaN
+                if self.shards is not None:  # the whole sequence's loss; n: this shard's targets (summed: all)
+                    _, n, loss = self.shards.loss(engine, batch, {})
+                    loss = torch.where(n > 0, loss.float(), float("nan"))
+                else:
+                    n = (batch["labels"][:, 1:] != -100).sum()
+                    loss = engine(**batch).loss.float()  # a batch without targets (EvalShard's wrap-around): NaN
                 totals += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])
         engine.train()
         dist.all_reduce(totals)

@@ -338,6 +338,10 @@ def test_the_tiled_loss_never_builds_the_logits_and_counts_targets_like_transfor
         assert abs(long_sequence.tiled_cross_entropy(hidden, weight, labels).item() - want.item()) < 1e-6
     summed = long_sequence.tiled_cross_entropy(hidden, weight, labels, num_items_in_batch=100)
     assert abs(summed.item() * 100 - want.item() * (labels[:, 1:] != -100).sum().item()) < 1e-3
+    # A sequence-parallel shard passes its labels shifted already (shift_labels): not shifted again.
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    by_shift = long_sequence.tiled_cross_entropy(hidden, weight, None, shift_labels=shifted)
+    assert abs(by_shift.item() - want.item()) < 1e-6
 
 
 def test_offload_needs_checkpointing_on_the_workers_too():

@@ -56,13 +56,19 @@ log = logging.getLogger("finetune")
 # --- 1. the driver's plan ------------------------------------------------------------------------------------
 
 
+def saved_replicas(state: dict[str, Any], world: int) -> int:
+    """The data-parallel replicas a checkpoint was written by: its workers over its sequence-parallel degree (the
+    workers of one sequence read one batch)."""
+    return max(1, (state.get("world_size") or world) // state.get("sequence_parallel", 1))
+
+
 def accumulation_for(state: dict[str, Any], micro_batch_size: int, world: int) -> int | None:
-    """The gradient accumulation that keeps a checkpoint's global batch with `world` workers of
+    """The gradient accumulation that keeps a checkpoint's global batch with `world` data-parallel replicas of
     `micro_batch_size`; None when no whole number does (a mid-run resume needs the same global batch)."""
     saved = (
         state.get("micro_batch_size", micro_batch_size)
         * state.get("gradient_accumulation_steps", 1)
-        * state.get("world_size", world)
+        * saved_replicas(state, world)
     )
     return saved // (micro_batch_size * world) if saved % (micro_batch_size * world) == 0 else None
 
@@ -101,22 +107,27 @@ class ResumePlan:
                 f"{cfg.zero_stage}: the checkpoint is converted to DeepSpeed's universal checkpoint format (once) "
                 "when the run starts, weights and optimizer state kept"
             )
-        if not saved or saved == workers:
+        replicas, sp = cfg.scaling.data_parallel, cfg.scaling.sequence_parallel
+        if not saved or (saved == workers and saved_replicas(state, workers) == replicas):
             return cls(name, note=stage_note)
         where = f"the experiment's last checkpoint ({name}) was written by {saved} workers"
+        ours = f"{workers}"
+        if state.get("sequence_parallel", 1) != 1 or sp != 1:  # the global batch counts data-parallel groups
+            where += f" ({saved_replicas(state, workers)} data-parallel)"
+            ours += f" ({replicas} data-parallel)"
 
         def refuse(message: str, fix: str) -> ResumePlan:
             return cls(name, problems=(Problem("scaling.num_workers", workers, message, fix),))
 
-        if cfg.zero_stage == 0:
+        if cfg.zero_stage == 0 and saved != workers:
             return refuse(
                 f"{where}; resuming on another number of workers needs ZeRO stage 1, 2 or 3 "
                 "(DeepSpeed's universal checkpoint)",
                 f"set scaling.num_workers={saved}, or start a new experiment name",
             )
         mb, gas = state.get("micro_batch_size", t.micro_batch_size), state.get("gradient_accumulation_steps", 1)
-        global_batch = mb * gas * saved
-        new_gas = accumulation_for(state, t.micro_batch_size, workers)
+        global_batch = mb * gas * saved_replicas(state, workers)
+        new_gas = accumulation_for(state, t.micro_batch_size, replicas)
         if new_gas is None:
             return refuse(
                 f"{where} with a global batch of {global_batch} sequences ({mb} x {gas} accumulation x {saved}); "
@@ -133,8 +144,11 @@ class ResumePlan:
             )
         else:
             batch = f"the global batch stays {global_batch} sequences"
-        note = f"{where}, this run has {workers}: {batch}; the checkpoint is converted to DeepSpeed's universal "
-        note += "checkpoint format (once) when the run starts"
+        note = f"{where}, this run has {ours}: {batch}; "
+        if saved == workers:  # the same ranks hold the same ZeRO partitions: only the batch's split changed
+            note += "the checkpoint is loaded as written"
+        else:
+            note += "the checkpoint is converted to DeepSpeed's universal checkpoint format (once) when the run starts"
         return cls(name, new_gas, note=f"{stage_note}; {note}" if stage_note else note)
 
     def apply(self, cfg: TrainingConfig) -> TrainingConfig:
@@ -384,9 +398,9 @@ def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: 
 
     saved_world = state.get("world_size") or world
     recorded = {"micro_batch_size", "gradient_accumulation_steps"} <= state.keys()  # older checkpoints lack them
-    keeps = engine.gradient_accumulation_steps() == accumulation_for(
-        state, engine.train_micro_batch_size_per_gpu(), world
-    )
+    micro = engine.train_micro_batch_size_per_gpu()
+    replicas = engine.train_batch_size() // (micro * engine.gradient_accumulation_steps())  # world / sequence_parallel
+    keeps = engine.gradient_accumulation_steps() == accumulation_for(state, micro, replicas)
     if recorded and not keeps:
         saved_batch = state.get("micro_batch_size", 0) * state.get("gradient_accumulation_steps", 0) * saved_world
         raise CheckpointError(

@@ -146,11 +146,12 @@ class EvalShard(torch.utils.data.Dataset):
     """This rank's share of the whole eval split: ceil(n / world) samples on every rank, so that all ranks run as
     many forward passes (ZeRO-3 gathers parameters in lockstep). The few samples that wrap around to fill the last
     shares carry no labels, so no sample counts twice; a split smaller than world x micro-batch is still
-    evaluated (the training loader's drop_last would give it no batch at all)."""
+    evaluated (the training loader's drop_last would give it no batch at all). `multiple`: each rank's share is
+    padded so, to whole micro-batches (sequence parallelism's attention is built for one batch shape)."""
 
-    def __init__(self, dataset, world: int, rank: int):
+    def __init__(self, dataset, world: int, rank: int, multiple: int = 1):
         self.dataset, self.n = dataset, len(dataset)
-        self.positions = list(range(rank, -(-self.n // world) * world, world))
+        self.positions = list(range(rank, -(-self.n // (world * multiple)) * world * multiple, world))
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -163,8 +164,10 @@ class EvalShard(torch.utils.data.Dataset):
         return sample
 
 
-def make_eval_loader(dataset, micro_batch: int, world: int, rank: int, collate_fn=None) -> DataLoader:
-    shard = EvalShard(dataset, world, rank)
+def make_eval_loader(
+    dataset, micro_batch: int, world: int, rank: int, collate_fn=None, full_batches: bool = False
+) -> DataLoader:
+    shard = EvalShard(dataset, world, rank, micro_batch if full_batches else 1)
     pin = torch.cuda.is_available()
     return DataLoader(shard, batch_size=micro_batch, shuffle=False, collate_fn=collate_fn, pin_memory=pin)
 
