@@ -424,7 +424,7 @@ def _on_ray(cfg: TrainingConfig, name: str, options: dict, units: list) -> list[
         with pa.ipc.new_stream(sink, payload.schema) as writer:
             writer.write_table(payload)
         items.append({"unit": n, "source": source, "rows": sink.getvalue().to_pybytes(), "parts": ""})
-    rows = sum(len(p["numbers"]) if isinstance(p, dict) else p.num_rows for _, p in units)
+    rows = sum(len(ranges.expand(p["numbers"])) if isinstance(p, dict) else p.num_rows for _, p in units)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors = max(1, min(len(units), cfg.data.num_proc or cpus, cpus))
     log.info(f"preparing {name}: {rows:,} rows in {len(units)} units on up to {actors} CPUs (Ray Data)")
@@ -504,7 +504,7 @@ class UnitPreparer:
             if source not in self.schemas:
                 self.schemas[source] = pa.ipc.read_schema(pa.py_buffer(self.sources[source]["schema"]))
             found, places = ranges.read(unit, self.schemas[source])
-            self.where.known[source] = dict(zip(unit["numbers"], places))
+            self.where.known[source] = dict(zip(ranges.expand(unit["numbers"]), places))
             return found
         if isinstance(rows, (bytes, bytearray, memoryview)):
             import pyarrow as pa

@@ -171,22 +171,39 @@ class Ranged:
         numbers = np.arange(len(self))[rows] if self.index is None else self.index[rows]
         span = np.searchsorted(self.starts, numbers, side="right") - 1
         parts: list[dict[str, Any]] = []
-        anchors = {f.file: f for f in self.files}
-        for s, n in zip(span.tolist(), numbers.tolist()):
+        counted = {f.file: f for f in self.files}
+        # Runs of rows from one span (vectorized: a split of millions of rows is planned in the driver).
+        for run in np.split(np.arange(len(numbers)), np.flatnonzero(np.diff(span)) + 1) if len(numbers) else []:
+            s = int(span[run[0]])
             file, first, _ = self.spans[s]
-            row = first + n - int(self.starts[s])
-            if not parts or parts[-1]["span"] != s:
-                counted = anchors[file]
-                parts.append({"span": s, "file": file, "kind": counted.kind, "rows": [], "anchor": None})
-                if counted.anchors:
-                    parts[-1]["anchor"] = counted.anchors[row // STRIDE]
-            parts[-1]["rows"].append(row)
-        return {"numbers": numbers.tolist(), "numbered": self.numbered, "parts": parts}
+            found = first + numbers[run] - int(self.starts[s])
+            anchors = counted[file].anchors
+            parts.append(
+                {
+                    "file": file,
+                    "kind": counted[file].kind,
+                    "rows": compact(found),
+                    "anchor": anchors[int(found[0]) // STRIDE] if anchors else None,
+                }
+            )
+        return {"numbers": compact(numbers), "numbered": self.numbered, "parts": parts}
 
     def row(self, i: int) -> dict[str, Any]:
         """Row i of this selection, read from its file (the driver's one row, for app.data.encode.first_row_problem)."""
         rows, _ = read(self.unit(slice(i, i + 1)), self.schema)
         return {name: values[0] for name, values in rows.items()}
+
+
+def compact(rows: np.ndarray) -> dict[str, int] | list[int]:
+    """Ascending row numbers as {first, end} when they are consecutive (a unit of a whole split: a descriptor of a
+    few bytes), else each of them (a mixture's choice)."""
+    if len(rows) and int(rows[-1]) - int(rows[0]) == len(rows) - 1:
+        return {"first": int(rows[0]), "end": int(rows[-1]) + 1}
+    return rows.tolist()
+
+
+def expand(rows: dict[str, int] | list[int]) -> list[int]:
+    return list(range(rows["first"], rows["end"])) if isinstance(rows, dict) else rows
 
 
 def read(unit: dict[str, Any], schema) -> tuple[dict[str, list], list[str]]:
@@ -200,7 +217,7 @@ def read(unit: dict[str, Any], schema) -> tuple[dict[str, list], list[str]]:
         places += where
     rows = pa.concat_tables(tables).to_pydict() if tables else {name: [] for name in schema.names}
     if unit["numbered"]:
-        rows[chat.ROW] = list(unit["numbers"])
+        rows[chat.ROW] = expand(unit["numbers"])
     return rows, places
 
 
@@ -211,7 +228,7 @@ def _parquet(part: dict[str, Any], schema):
     import pyarrow.parquet as pq
     from datasets.table import table_cast
 
-    wanted, found = part["rows"], pq.ParquetFile(part["file"])
+    wanted, found = expand(part["rows"]), pq.ParquetFile(part["file"])
     groups, base, start = [], None, 0
     for g in range(found.metadata.num_row_groups):
         n = found.metadata.row_group(g).num_rows
@@ -230,7 +247,7 @@ def _parquet(part: dict[str, Any], schema):
 
 
 def _json(part: dict[str, Any], schema):
-    wanted, lines, numbers = part["rows"], [], []
+    wanted, lines, numbers = expand(part["rows"]), [], []
     row, offset, number = part["anchor"]
     take = set(wanted)
     with open(part["file"], "rb") as f:
