@@ -77,13 +77,22 @@ def schema_of(first: str, kind: str):
         batch = batch.removeprefix(codecs.BOM_UTF8) + f.readline()
     if batch.lstrip().startswith(b"["):
         return None
-    try:
-        if find_mixed_struct_types_field_paths([json.loads(line) for line in batch.splitlines() if line.strip()]):
-            return None
-        block = max(JSON_CHUNK // 32, 16 << 10)
-        table = paj.read_json(io.BytesIO(batch), read_options=paj.ReadOptions(block_size=max(block, len(batch))))
-    except (ValueError, pa.ArrowInvalid):
-        return None  # datasets' own reading says what is wrong with it
+    try:  # datasets' check for mixed struct types, skipped as it skips it (a blank line makes it raise)
+        examples = [json.loads(line) for line in batch.splitlines()]
+    except ValueError:
+        examples = []
+    if find_mixed_struct_types_field_paths(examples):
+        return None  # datasets would read those fields as JSON text
+    block = max(JSON_CHUNK // 32, 16 << 10)
+    block = len(batch) if len(batch) // 8 > block else block  # datasets' block size, which the inference sees
+    while True:
+        try:
+            table = paj.read_json(io.BytesIO(batch), read_options=paj.ReadOptions(block_size=block))
+            break
+        except pa.ArrowInvalid as exc:
+            if "straddling" not in str(exc) or block >= len(batch):
+                return None  # datasets' own reading says what is wrong with it
+            block *= 2
     return Features.from_arrow_schema(table.schema).arrow_schema
 
 
