@@ -149,8 +149,9 @@ def ensure(cfg: TrainingConfig) -> tuple[Path, dict[str, Any]]:
 
 @dataclass
 class Source:
-    """One source of the data, read: its own data section, weight and format, and its rows per split with the
-    split their indices number (for error messages)."""
+    """One source of the data, read or planned: its own data section, weight and format, and its rows per split (a
+    `datasets` Dataset, or an app.data.ranges.Ranged whose rows the actors read) with the split their indices
+    number (for error messages)."""
 
     data: DataConfig
     weight: float
