@@ -272,11 +272,13 @@ def new_case(spec: dict, kind: str, case: Path) -> tuple[dict, Any, int]:
 
         pipeline.Progress = FirstUnit
         undo.append(lambda: setattr(pipeline, "Progress", progress))
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     try:
         cfg = TrainingConfig.model_validate(config_dict(spec, kind, case / "storage"))
         folder, manifest = pipeline.ensure(cfg)
         seconds = time.perf_counter() - started
+        cpu = time.process_time() - cpu  # the driver's own CPU (reading, planning, sending rows), not its actors'
+
     finally:
         for restore in reversed(undo):
             restore()
@@ -284,6 +286,7 @@ def new_case(spec: dict, kind: str, case: Path) -> tuple[dict, Any, int]:
     split = store.PreparedSplit.open(folder, "train")
     out = {"seconds": seconds, "bytes": size, "rows": manifest["splits"]["train"]["rows"], "phases": dict(phases)}
     out |= {"manifest_tokens": manifest["splits"]["train"]["tokens"], "manifest_seconds": manifest["seconds"]}
+    out |= {"driver_cpu_s": round(cpu, 2), "rows_per_s": round(out["rows"] / seconds, 1)}
     out["units"] = len(manifest["splits"]["train"].get("units", []))
     out["nodes"] = manifest.get("nodes")
     return out, (split[i] for i in range(len(split))), manifest["pad_id"]
@@ -440,6 +443,10 @@ def old_tree(args, work: Path) -> tuple[Path, bool]:
     return folder, True
 
 
+# What a new path's case adds to its record: the driver's CPU seconds and rows a second show what it still does.
+NEW_FIELDS = ("manifest_tokens", "manifest_seconds", "units", "nodes", "driver_cpu_s", "rows_per_s")
+
+
 def records_of(args, results: dict, hw: dict, meta: dict) -> list[dict]:
     out = []
     new = results["new"]
@@ -472,7 +479,7 @@ def records_of(args, results: dict, hw: dict, meta: dict) -> list[dict]:
             }
             if res["path"] == "new":
                 rec |= {k: res[k] for k in ("ray_start_s", "ray_cpus")}
-                rec |= {k: case[k] for k in ("manifest_tokens", "manifest_seconds", "units", "nodes") if k in case}
+                rec |= {k: case[k] for k in NEW_FIELDS if k in case}
                 rec["equal_blocks_vs"] = {
                     other: compare(r["cases"][kind]["digests"], case["digests"])["equal"]
                     for other, r in results.items()
@@ -620,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Ray start (not in the new path's seconds): {results['new']['ray_start_s']} s")
         for rec in records:
             print(f"phases {rec['path']} np={rec['num_proc']} {rec['kind']}: {rec['phases']}")
+            if "driver_cpu_s" in rec:
+                print(f"driver {rec['kind']}: {rec['driver_cpu_s']} CPU s, {rec['rows_per_s']:,.0f} rows/s")
         if out is not None:
             print(f"records: {out}")
         return 0

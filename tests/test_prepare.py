@@ -15,7 +15,7 @@ import torch
 from conftest import CORPUS
 
 from app import data
-from app.config import Problem, TrainingConfig
+from app.config import DataConfig, Problem, TrainingConfig
 from app.data import checks, pipeline, store
 
 CHAT = CORPUS.parent / "tiny-chat.jsonl"
@@ -94,6 +94,77 @@ def test_the_same_key_gives_the_same_bytes_on_any_number_of_cpus(tiny_model, tmp
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), i
 
 
+def by_datasets(monkeypatch, cfg: TrainingConfig) -> tuple[Path, dict]:
+    """The preparation with every split read by `datasets` in the driver (the path before app.data.ranges)."""
+    with monkeypatch.context() as m:
+        m.setattr(pipeline.ranges, "plan", lambda d, expression: None)
+        return pipeline.ensure(cfg)
+
+
+def awkward_chat(folder: Path, optional_key: bool = False) -> Path:
+    """The bundled conversations as two files, with what a reader by range must get as `datasets` does: a BOM, blank
+    lines, CRLF endings, an integer column that is a float later on and, with `optional_key`, a message key (name)
+    only a few rows have (null in the others: the blank line stops datasets' check for mixed struct types)."""
+    rows = [json.loads(line) for line in CHAT.read_text().splitlines()]
+    for n, row in enumerate(rows):
+        row["score"] = float(n) if n > 450 else n
+        if optional_key and n % 97 == 5:
+            row["messages"][0]["name"] = f"speaker{n}"
+    folder.mkdir()
+    lines = [json.dumps(row) for row in rows]
+    (folder / "train-a.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines[:280]).encode() + b"\n\n")
+    (folder / "train-b.jsonl").write_bytes(b"\r\n".join(line.encode() for line in lines[280:]) + b"\r\n   \r\n")
+    return folder
+
+
+def as_parquet(source: Path, file: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), file, row_group_size=70)
+    return file
+
+
+@pytest.mark.parametrize("case", ["text", "chat", "awkward", "parquet", "sliced", "eval_split", "mixture"])
+def test_rows_read_by_range_are_the_bytes_datasets_reads(tiny_model, tmp_path, monkeypatch, ray_cluster, case):
+    """Units of 150 rows (several a file, some across two files) read by the Ray Data actors from their files give
+    every file `datasets`' reading in the driver gives, and the same manifest counts."""
+    monkeypatch.setattr(pipeline, "UNIT_ROWS", 150)
+    split = {"sliced": "train[10%:85%]", "eval_split": "train[:450]"}.get(case, "train")
+    fields = {"split": split, "num_proc": 2} | ({"eval_split": "train[450:]"} if case == "eval_split" else {})
+    if case == "text":
+        cfg = config(tmp_path, tiny_model, **fields)
+    elif case == "mixture":
+        cfg = mixture(tmp_path, tiny_model, num_proc=2)
+    else:
+        data = {
+            "awkward": lambda: awkward_chat(tmp_path / "awkward", optional_key=True),
+            "parquet": lambda: as_parquet(CHAT, tmp_path / "chat.parquet"),
+        }.get(case, lambda: CHAT)()
+        cfg = chat_config(tmp_path, tiny_model, dataset=str(data), **fields)
+    planned = []
+    real = pipeline.ranges.plan
+    monkeypatch.setattr(pipeline.ranges, "plan", lambda d, e: planned.append(real(d, e)) or planned[-1])
+    folder, manifest = pipeline.ensure(cfg)
+    assert planned and all(p is not None for p in planned)  # every split was read by range
+    if case == "awkward":  # without a blank line, datasets 5 reads such keys as JSON text: left to it
+        mixed = tmp_path / "mixed.jsonl"
+        rows = (tmp_path / "awkward" / "train-b.jsonl").read_text().splitlines()
+        mixed.write_text("".join(row + "\n" for row in rows if row.strip()))
+        assert pipeline.ranges.plan(DataConfig(dataset=str(mixed), format="chat"), "train") is None
+    assert len(manifest["splits"]["train"]["units"]) > 2
+    before = hashes(folder)
+    store.remove_tree(folder)
+    again, old = by_datasets(monkeypatch, cfg)
+    assert hashes(again) == before and len(before) > 3
+    assert old["sources"] == manifest["sources"]
+    for name, found in manifest["splits"].items():
+        assert {k: v for k, v in found.items() if k != "units"} == {
+            k: v for k, v in old["splits"][name].items() if k != "units"
+        }
+
+
 def test_a_second_experiment_reuses_the_prepared_dataset(tiny_model, tmp_path, caplog):
     first = config(tmp_path, tiny_model, name="first")
     folder, manifest = pipeline.ensure(first)
@@ -152,6 +223,38 @@ def test_a_bad_row_beyond_the_sample_ends_preparation_with_its_file_and_line(
         pipeline.ensure(cfg)
     assert caught.value.value == f"{bad} line 334" and "has no assistant turn" in caught.value.message
     assert list((tmp_path / "storage" / "prepared").iterdir()) == []  # no temporary folder left behind
+
+
+@pytest.mark.parametrize("bad", ["not_json", "after_blank_lines", "parquet"])
+def test_a_bad_row_an_actor_reads_is_named_by_the_file_and_line_of_its_descriptor(
+    tiny_model, tmp_path, monkeypatch, ray_cluster, bad
+):
+    """Rows read by range: the place of a bad row beyond the checks' sample comes from the unit's descriptor (the
+    second file of two, after blank lines, or a parquet row), as the whole-split reading named it."""
+    monkeypatch.setattr(pipeline, "UNIT_ROWS", 100)
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", 50)
+    rows = CHAT.read_text().splitlines()
+    rows[433] = "{not json" if bad == "not_json" else json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train-1.jsonl").write_text("\n".join(rows[:300]) + "\n")
+    second = folder / "train-2.jsonl"
+    second.write_text("\n\n" * (bad == "after_blank_lines") + "\n".join(rows[300:]) + "\n")
+    dataset, where = folder, f"{second} line {433 - 300 + 1 + 2 * (bad == 'after_blank_lines')}"
+    if bad == "parquet":
+        (folder / "train-1.jsonl").unlink()
+        dataset = as_parquet(second, tmp_path / "chat.parquet")
+        second.unlink()
+        where = f"{dataset} row {433 - 300 + 1}"
+    cfg = chat_config(tmp_path, tiny_model, dataset=str(dataset), num_proc=2)
+    assert pipeline.ranges.plan(cfg.data, "train") is not None
+    with pytest.raises(Problem) as caught:
+        pipeline.ensure(cfg)
+    if bad == "not_json":
+        assert caught.value.value == str(second) and caught.value.message.startswith("line 134 is not JSON")
+    else:
+        assert caught.value.value == where and "has no assistant turn" in caught.value.message
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []
 
 
 def test_a_failed_write_leaves_nothing_and_the_next_run_prepares_from_scratch(tiny_model, tmp_path, monkeypatch):
@@ -312,3 +415,27 @@ def test_no_worker_waits_in_a_collective_while_the_data_is_prepared(tiny_model, 
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     assert log.index("prepared data: ") < log.index("starting 2 training workers") and "done: slow" in log
+
+
+def test_a_descriptor_reads_its_rows_and_nothing_else(tmp_path):
+    """Rows picked across anchors, row groups and blank lines read back as those rows, each named by its place."""
+    import numpy as np
+
+    from app.data import ranges
+
+    lines = CHAT.read_text().splitlines()
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("\n".join(line + "\n" * (n % 7 == 3) for n, line in enumerate(lines)) + "\n")
+    at = [n + 1 + (n + 3) // 7 for n in range(len(lines))]  # each row's line: a blank one after rows 3, 10, 17...
+    parquet = as_parquet(CHAT, tmp_path / "train.parquet")
+    picked = np.sort(np.random.default_rng(0).choice(len(lines), 90, replace=False))
+    for file, place in ((jsonl, "line"), (parquet, "row")):
+        d = DataConfig(dataset=str(file), format="chat")
+        split = ranges.plan(d, "train[5:]")
+        assert len(split) == len(lines) - 5
+        split.numbered = True
+        rows, places = ranges.read(split.select(picked).unit(slice(0, 90)), split.schema)
+        assert rows["messages"] == [json.loads(lines[n + 5])["messages"] for n in picked]
+        assert rows[pipeline.chat.ROW] == picked.tolist()  # the index in the split, not in the file
+        numbers = [at[n + 5] if place == "line" else n + 6 for n in picked]
+        assert places == [f"{file} {place} {n}" for n in numbers]

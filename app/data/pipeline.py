@@ -6,8 +6,13 @@ format, seq_length, packing, train_on_prompt, the splits, the preparation code's
 every experiment over the same data and tokenizer shares one prepared dataset under `<storage>/prepared/<key>/`.
 A split is cut into units of UNIT_ROWS consecutive rows (app.data.encode); each unit is one row of a Ray Data
 dataset, encoded by an actor that loads the tokenizer once and writes the unit's arrays itself, so the bytes do
-not depend on how many CPUs, nodes or Ray Data blocks did the work. The folder is written under a temporary name
-and renamed once its manifest is in: a preparation that fails or is killed leaves nothing a later run reads.
+not depend on how many CPUs, nodes or Ray Data blocks did the work. Local JSON Lines and parquet files are not read
+here: Ray tasks count their rows, the driver plans each unit as (file, rows) descriptors (the split expression and
+a mixture's choice applied to row numbers) and the actor reads its own rows (app.data.ranges), naming a bad row by
+the file and line of its descriptor. What app.data.ranges leaves to `datasets` (hub names, saved datasets,
+csv/tsv/text, compressed files, data.eval_fraction...) is read here and each unit's rows are sent as Arrow.
+The folder is written under a temporary name and renamed once its manifest is in: a preparation that fails or is
+killed leaves nothing a later run reads.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 from app import faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
-from app.data import chat, pairs
+from app.data import chat, pairs, ranges
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
 from app.data.files import is_local, saved_dataset, split_files, split_names
 from app.data.manifest import MANIFEST, read_manifest, summary
@@ -144,8 +149,9 @@ def ensure(cfg: TrainingConfig) -> tuple[Path, dict[str, Any]]:
 
 @dataclass
 class Source:
-    """One source of the data, read: its own data section, weight and format, and its rows per split with the
-    split their indices number (for error messages)."""
+    """One source of the data, read or planned: its own data section, weight and format, and its rows per split (a
+    `datasets` Dataset, or an app.data.ranges.Ranged whose rows the actors read) with the split their indices
+    number (for error messages)."""
 
     data: DataConfig
     weight: float
@@ -182,7 +188,7 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
         for source in sources:
             train = source.splits["train"][0]
             if len(train) and (
-                problem := first_row_problem(source.data, source.fmt, train[0], tokenizer, locator(source.data))
+                problem := first_row_problem(source.data, source.fmt, first_row(train), tokenizer, locator(source.data))
             ):
                 raise problem
         names = ["train"] + (["eval"] if any("eval" in source.splits for source in sources) else [])
@@ -248,10 +254,11 @@ def locator(d: DataConfig, split: str | None = None):
 
 
 def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) -> Source:
-    """A source's rows as `datasets` reads them, its format, and its eval rows (data.eval_split, or
-    data.eval_fraction of its split, picked by the seed)."""
-    raw = load_split(d, d.split)
-    evalset = load_split(d, d.eval_split) if d.eval_split else None
+    """A source's splits, planned by row range (app.data.ranges: the actors read the rows) or else read by
+    `datasets` here, its format, and its eval rows (data.eval_split, or data.eval_fraction of its split, picked by
+    the seed)."""
+    raw = split_of(d, d.split)
+    evalset = split_of(d, d.eval_split) if d.eval_split else None
     fmt = format_of(d, raw.column_names)
     log.info(
         f"data format: {fmt}"
@@ -259,9 +266,7 @@ def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) ->
         + (f" for {d.dataset}" if named else "")
     )
     if fmt != "text":  # numbered before the eval split takes rows out, so that a bad row is named by its place
-        raw = raw.add_column(chat.ROW, list(range(len(raw))))
-        if evalset is not None:
-            evalset = evalset.add_column(chat.ROW, list(range(len(evalset))))
+        raw, evalset = numbered(raw), numbered(evalset)
     read = len(raw)
     if d.eval_fraction:
         parts = raw.train_test_split(test_size=d.eval_fraction, seed=seed)
@@ -270,6 +275,23 @@ def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) ->
     if evalset is not None:
         splits["eval"] = (evalset, d.eval_split or d.split)
     return Source(d, weight, fmt, splits, read)
+
+
+def split_of(d: DataConfig, expression: str):
+    planned = ranges.plan(d, expression)
+    return planned if planned is not None else load_split(d, expression)
+
+
+def numbered(split):
+    """The split with chat.ROW, each row's index in it (a Ranged split adds it as its actors read the rows)."""
+    if isinstance(split, ranges.Ranged):
+        split.numbered = True
+        return split
+    return split if split is None else split.add_column(chat.ROW, list(range(len(split))))
+
+
+def first_row(split) -> dict[str, Any]:
+    return split.row(0) if isinstance(split, ranges.Ranged) else split[0]
 
 
 def mix(sources: list[Source], seed: int) -> None:
@@ -328,11 +350,12 @@ COUNTS = ("rows", "empty", "too_long", "truncated", "single_token", "documents",
 def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, tokenizer) -> dict:
     """The split's units, source after source, encoded and written into `tmp` (by Ray Data when there is more than
     one unit and a Ray cluster, else here), and their totals."""
-    units = []  # (source, its rows of one unit)
+    units = []  # (source, its rows of one unit: a Ranged split's descriptor, else the rows as Arrow)
     for n, source in enumerate(sources):
         if name in source.splits:
-            arrow = source.splits[name][0].with_format("arrow")
-            units += [(n, arrow[lo : lo + UNIT_ROWS]) for lo in range(0, len(arrow), UNIT_ROWS)]
+            rows = source.splits[name][0]
+            cut = rows.unit if isinstance(rows, ranges.Ranged) else rows.with_format("arrow").__getitem__
+            units += [(n, cut(slice(lo, lo + UNIT_ROWS))) for lo in range(0, len(rows), UNIT_ROWS)]
     options = {
         "config": cfg.model_dump(mode="json"),
         "sources": [
@@ -340,6 +363,7 @@ def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, 
                 "data": s.data.model_dump(mode="json"),
                 "fmt": s.fmt,
                 "numbered_in": s.splits[name][1] if name in s.splits else None,
+                "schema": schema_bytes(s.splits[name][0]) if name in s.splits else None,
             }
             for s in sources
         ],
@@ -350,7 +374,8 @@ def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, 
         preparer = UnitPreparer(**options, tokenizer=tokenizer)
         done = []
         for n, (source, rows) in enumerate(units):
-            done.append(preparer({"unit": n, "source": source, "rows": rows}))
+            sent = {"parts": rows, "rows": None} if isinstance(rows, dict) else {"rows": rows}
+            done.append(preparer({"unit": n, "source": source, **sent}))
             _counts(done[-1])
     else:
         done = _on_ray(cfg, name, options, units)
@@ -391,13 +416,16 @@ def _on_ray(cfg: TrainingConfig, name: str, options: dict, units: list) -> list[
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the app logs its own progress lines
-    items = []
-    for n, (source, table) in enumerate(units):
+    items = []  # the same columns for both kinds of unit, so that Ray Data sees one schema
+    for n, (source, payload) in enumerate(units):
+        if isinstance(payload, dict):
+            items.append({"unit": n, "source": source, "rows": b"", "parts": json.dumps(payload)})
+            continue
         sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        items.append({"unit": n, "source": source, "rows": sink.getvalue().to_pybytes()})
-    rows = sum(table.num_rows for _, table in units)
+        with pa.ipc.new_stream(sink, payload.schema) as writer:
+            writer.write_table(payload)
+        items.append({"unit": n, "source": source, "rows": sink.getvalue().to_pybytes(), "parts": ""})
+    rows = sum(len(ranges.expand(p["numbers"])) if isinstance(p, dict) else p.num_rows for _, p in units)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     actors = max(1, min(len(units), cfg.data.num_proc or cpus, cpus))
     log.info(f"preparing {name}: {rows:,} rows in {len(units)} units on up to {actors} CPUs (Ray Data)")
@@ -410,6 +438,11 @@ def _on_ray(cfg: TrainingConfig, name: str, options: dict, units: list) -> list[
         done.append(row)
         progress.add(_counts(row)["rows"])
     return done
+
+
+def schema_bytes(split) -> bytes | None:
+    """A Ranged split's Arrow schema, serialized for its actors (they parse and cast its rows to it)."""
+    return split.schema.serialize().to_pybytes() if isinstance(split, ranges.Ranged) else None
 
 
 def _counts(row: dict[str, Any]) -> dict[str, int]:
@@ -446,7 +479,8 @@ class UnitPreparer:
 
         cfg = TrainingConfig.model_validate(config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        self.sources, self.encoders = sources, {}
+        self.sources, self.encoders, self.schemas = sources, {}, {}
+        self.where = ranges.Where()
         self.packing = cfg.data.packing
         self.split, self.folder = split, Path(folder)
         self.node = _node()
@@ -455,18 +489,35 @@ class UnitPreparer:
         if n not in self.encoders:
             source = self.sources[n]
             d = DataConfig.model_validate(source["data"])
-            self.encoders[n] = UnitEncoder(d, source["fmt"], self.tokenizer, locator(d, source["numbered_in"]))
+            self.where.fallback[n] = locator(d, source["numbered_in"])
+            locate = functools.partial(self.where, n)
+            self.encoders[n] = UnitEncoder(d, source["fmt"], self.tokenizer, locate)
         return self.encoders[n]
 
-    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+    def rows(self, item: dict[str, Any]) -> dict[str, list]:
+        """The unit's rows: read from their files by its descriptor (noting where each came from), else sent."""
         rows, source = item["rows"], int(item["source"])
+        parts = item.get("parts")
+        if parts:
+            import pyarrow as pa
+
+            unit = json.loads(parts) if isinstance(parts, str) else parts
+            if source not in self.schemas:
+                self.schemas[source] = pa.ipc.read_schema(pa.py_buffer(self.sources[source]["schema"]))
+            found, places = ranges.read(unit, self.schemas[source])
+            self.where.known[source] = dict(zip(ranges.expand(unit["numbers"]), places))
+            return found
         if isinstance(rows, (bytes, bytearray, memoryview)):
             import pyarrow as pa
 
             rows = pa.ipc.open_stream(rows).read_all()
+        return rows.to_pydict()
+
+    def __call__(self, item: dict[str, Any]) -> dict[str, Any]:
+        source = int(item["source"])
         faults.maybe_slow_prepare()  # test-only: off unless FINETUNE_FAULT_SLOW_PREPARE
         try:
-            unit = self.encoder(source)(rows.to_pydict())
+            unit = self.encoder(source)(self.rows(item))
         except Problem as exc:  # a bad row: the driver raises it as it is, not inside Ray's task error
             return {"result": json.dumps({"problem": [exc.field, exc.value, exc.message, exc.fix]})}
         written = write_unit(self.folder, self.split, int(item["unit"]), unit.arrays())
