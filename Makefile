@@ -71,10 +71,12 @@ run-dpo: tiny
 	@echo "==> DPO with LoRA: local Ray cluster, 2 CPU workers, ZeRO-3, 30 steps, then merge and export (1-2 min)"
 	$(BIN)/finetune train examples/local-cpu-dpo.yaml
 
-# --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget. Two files at a
-# time (-n 2, each file whole on one worker): a CPU training run keeps about half of 2 cores busy (tests/conftest.py).
+# --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget. Three files at
+# a time (-n 3, each file whole on one worker): the suite keeps under a third of 2 cores busy on average (its tests
+# mostly wait on Ray's processes and on each other's ranks: 13 CPU minutes in 27 at -n 2), so a third file runs in
+# the time the first two leave idle.
 test: lint test-tools
-	$(BIN)/pytest -q -m "not slow and not e2e" -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/pytest -q -m "not slow and not e2e" -n 3 --dist loadfile --durations=15 tests
 
 # ruff on every file: lint (pycodestyle, pyflakes, import order, line length 120) and `ruff format`'s style.
 # `make format` rewrites the files that the check would refuse.

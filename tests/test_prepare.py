@@ -126,7 +126,23 @@ def as_parquet(source: Path, file: Path) -> Path:
     return file
 
 
-@pytest.mark.parametrize("case", ["text", "chat", "awkward", "parquet", "sliced", "eval_split", "mixture"])
+# Each reader (JSON Lines plain and awkward, chat, parquet) in the unit suite; the split expressions and a mixture,
+# which only change which row numbers a unit reads, with `make test-all` (the unit suite's 20 minutes).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "text",
+        "chat",
+        "awkward",
+        "parquet",
+        pytest.param("sliced", marks=SLOW),
+        pytest.param("eval_split", marks=SLOW),
+        pytest.param("mixture", marks=SLOW),
+    ],
+)
 def test_rows_read_by_range_are_the_bytes_datasets_reads(tiny_model, tmp_path, monkeypatch, ray_cluster, case):
     """Units of 150 rows (several a file, some across two files) read by the Ray Data actors from their files give
     every file `datasets`' reading in the driver gives, and the same manifest counts."""

@@ -143,6 +143,7 @@ def test_a_resume_on_one_worker_without_it_keeps_the_global_batch(chat_runs):
     assert_same(expected, got, ("loss", "grad_norm"), range(4, 9))
 
 
+@pytest.mark.slow  # SIGTERM's save and redeploy are the unit suite's in test_reliability.py; under SP with test-all
 def test_a_sigterm_to_one_worker_of_a_group_saves_the_step_and_the_redeploy_redoes_nothing(
     chat_runs, tmp_path, tiny_model
 ):
