@@ -190,8 +190,14 @@ def full_zero2(tmp_path_factory, tiny_llama, pairs_file):
     stored = {"storage": reference_files(storage), "copy": reference_files(copy)}
     resumed = train(storage, "resumed", tiny_llama, pairs_file, **extra, **{"checkpoint.export_final": True})
     full = train(storage, "full", tiny_llama, pairs_file, **extra)
-    one = train(copy, "resumed", tiny_llama, pairs_file, **extra, **{"scaling.num_workers": 1})
-    return storage, stopped, resumed, full, one, stored, copy
+    return storage, stopped, resumed, full, extra, stored, copy
+
+
+@pytest.fixture(scope="module")
+def one_worker(full_zero2, tiny_llama, pairs_file):
+    """The copy of the preempted experiment redeployed on one worker instead of two."""
+    extra, copy = full_zero2[4], full_zero2[6]
+    return train(copy, "resumed", tiny_llama, pairs_file, **extra, **{"scaling.num_workers": 1})
 
 
 def test_full_fine_tuning_learns_against_the_stored_reference(full_zero2):
@@ -228,11 +234,13 @@ def test_full_fine_tuning_resumes_exactly_after_a_sigterm_without_recomputing_th
 WORLD_TOL = 2e-3
 
 
-def test_full_fine_tuning_resumes_on_another_number_of_workers(full_zero2):
+@pytest.mark.slow  # one more run (the unit suite's 20 minutes); the SFT world change is in test_reliability.py
+def test_full_fine_tuning_resumes_on_another_number_of_workers(full_zero2, one_worker):
     """Two workers preempted after step STOP, redeployed on one: accumulation 1 -> 2 keeps the global batch of 4
     pairs, the checkpoint goes through DeepSpeed's universal format, the stored reference is read, and every later
     step's loss is the uninterrupted run's."""
-    storage, _, _, _, one, stored, copy = full_zero2
+    storage, _, _, _, _, stored, copy = full_zero2
+    one = one_worker
     check_world_change(one, STOP, 2, 1, "train.gradient_accumulation_steps 1 -> 2 keeps the global batch of 4")
     assert_reference_reused(one, copy, stored["copy"])
     full, got = losses(storage / "full"), losses(copy / "resumed")

@@ -126,8 +126,9 @@ def as_parquet(source: Path, file: Path) -> Path:
     return file
 
 
-# Each reader (JSON Lines plain and awkward, chat, parquet) in the unit suite; the split expressions and a mixture,
-# which only change which row numbers a unit reads, with `make test-all` (the unit suite's 20 minutes).
+# Each reader (JSON Lines, chat, parquet) in the unit suite; awkward files (BOM, CRLF, blank lines), the split
+# expressions and a mixture, which change which bytes and row numbers a unit reads, with `make test-all` (the unit
+# suite's 20 minutes).
 SLOW = pytest.mark.slow
 
 
@@ -136,7 +137,7 @@ SLOW = pytest.mark.slow
     [
         "text",
         "chat",
-        "awkward",
+        pytest.param("awkward", marks=SLOW),
         "parquet",
         pytest.param("sliced", marks=SLOW),
         pytest.param("eval_split", marks=SLOW),
