@@ -267,7 +267,7 @@ LONG = [
     long_case(32_768, long=ON, tag="-on", steps=4, estimate=150, timeout=300),
     long_case(131_072, estimate=200, timeout=400),
     long_case(262_144, estimate=300, timeout=500),
-    long_case(524_288, estimate=480, timeout=600),
+    long_case(524_288, estimate=400, timeout=440),  # a call is at most 600 s, its set-up included
     long_case(131_072, runner="trl", estimate=200, timeout=400),
     long_case(262_144, runner="trl", estimate=300, timeout=500),
 ]
