@@ -145,7 +145,7 @@ def chat_case(name: str, shape: str, mb: int, stage: int, lora: bool, runner: st
     return dataclasses.replace(case, corpus_tokens=700_000 if shape == "llama-1.1b" else 250_000)
 
 
-def dpo_case(name: str, shape: str, mb: int, runner: str = "app", **kw) -> Case:
+def dpo_case(name: str, shape: str, mb: int, runner: str = "app", lora: bool = True, **kw) -> Case:
     """DPO with LoRA on one GPU (issue #51): assets.preference_corpus's pairs (UltraFeedback-like lengths, every pair
     more than half a 2048-token block: one pair a block, so the micro-batch is `mb` pairs on both sides), blocks of
     2048 (a pair's two sequences together: TRL's usual max_length of 1024 a sequence, as alignment-handbook's DPO
@@ -153,8 +153,11 @@ def dpo_case(name: str, shape: str, mb: int, runner: str = "app", **kw) -> Case:
     from a safetensors folder, lr 5e-6 (a LoRA DPO run's usual). The ZeRO stage, pure bf16, checkpointing and
     micro-batch are set (the app's auto settings refuse preference runs on GPUs: app.autoset has no memory model of
     the pairs' logits): stage 0 and pure bf16, the fast path on one GPU, no checkpointing. The same config file
-    drives the app and TRL's DPOTrainer (runner trl-dpo)."""
-    sets = {**ONE_GPU, **STAGE0, **DPO, **LORA_DPO, "train.learning_rate": 5e-6, **kw.pop("sets", {})}
+    drives the app and TRL's DPOTrainer (runner trl-dpo). Full-parameter (`lora` false): lr 5e-7 (alignment-handbook's
+    full DPO recipes), the reference's log-probabilities computed in a pass before training on both sides (the app's
+    `reference: auto`, TRL's `precompute_ref_log_probs`), so neither holds a second model."""
+    rate = {"train.learning_rate": 5e-6, **LORA_DPO} if lora else {"train.learning_rate": 5e-7}
+    sets = {**ONE_GPU, **STAGE0, **DPO, **rate, **kw.pop("sets", {})}
     case = llama(name, shape, mb, 0, runner=runner, lengths="preference", weights=True, sets=sets, **kw)
     return dataclasses.replace(case, corpus_tokens=400_000 if shape == "llama-1.1b" else 150_000)
 
@@ -300,10 +303,12 @@ SUITES: dict[str, list[Case]] = {
         chat_case("chat-q05-full-z0-pure", "qwen2-0.5b", 8, 0, False, sets=STAGE0, estimate=60, timeout=180),
         chat_case("chat-q05-full-z0-pure-20", "qwen2-0.5b", 8, 0, False, sets=STAGE0, steps=20, estimate=60),
         chat_case("trl-chat-q05-full-20", "qwen2-0.5b", 8, 3, False, runner="trl", steps=20, estimate=40),
-        # DPO with LoRA (issue #51 item 6) against TRL's DPOTrainer: the 1.1B, 8 pairs a step, then the 8B (its
-        # weights, 16 GB, written first), 4 pairs a step; each pair in one device call (docs/benchmarks.md).
+        # DPO (issue #51 item 6) against TRL's DPOTrainer: the 1.1B with LoRA and full-parameter, 8 pairs a step, then
+        # the 8B's LoRA (its weights, 16 GB, written first), 4 pairs a step; each pair in one call (docs/benchmarks.md).
         dpo_case("dpo-l1b-lora-z0-pure", "llama-1.1b", 8, estimate=90, timeout=180),
         dpo_case("trl-dpo-l1b-lora", "llama-1.1b", 8, runner="trl-dpo", estimate=60, timeout=180),
+        dpo_case("dpo-l1b-full-z0-pure", "llama-1.1b", 8, lora=False, estimate=100, timeout=180),
+        dpo_case("trl-dpo-l1b-full", "llama-1.1b", 8, runner="trl-dpo", lora=False, estimate=80, timeout=180),
         dpo_case("dpo-l8b-lora-z0-pure", "llama-8b", 4, **LORA_8B, estimate=150, timeout=300),
         dpo_case("trl-dpo-l8b-lora", "llama-8b", 4, runner="trl-dpo", **LORA_8B, estimate=190, timeout=300),
     ],

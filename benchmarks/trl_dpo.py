@@ -14,7 +14,8 @@ LM head; DPOConfig has no `use_liger_loss`), the micro-batch, accumulation, lear
 AdamW; and for DPO: the jsonl of pairs (TRL's conversational prompt/chosen/rejected), `max_length` = `data.seq_length`,
 the loss (`loss_type`, `beta`, `label_smoothing` of `preference`) and the reference: with LoRA, the base model with the
 adapters switched off, which is what DPOTrainer does with a peft model (no reference model in memory), as the app's
-`reference: auto` does. What differs is each side's own way: TRL pads each micro-batch's 2 x micro-batch sequences
+`reference: auto` does; full-parameter, the reference's log-probabilities computed in a pass before training, on both
+sides (`dpo_args`). What differs is each side's own way: TRL pads each micro-batch's 2 x micro-batch sequences
 (chosen, rejected) to the longest of them (its `padding_free` is off in 1.16); the app packs each pair's two sequences
 into a block of `data.seq_length` (bench's DPO corpus has every pair longer than half a block, so a block holds one pair
 and the micro-batch is a number of pairs on both sides).
@@ -31,15 +32,17 @@ from benchmarks.trl_peer import arguments, config_args, counters, setup, train
 
 
 def dpo_args(cfg) -> dict:
-    """DPOConfig's loss and reference of the app's `preference`: sigmoid (DPO) or IPO, whose reference TRL takes
-    from a peft model with its adapters off, as the app's `reference: auto` with LoRA; other losses are other TRL
-    trainers (CPO, ORPO), and a full fine-tune's reference is a stored pass, so neither is this peer's."""
+    """DPOConfig's loss and reference of the app's `preference`: sigmoid (DPO) or IPO; the reference as the app's
+    `reference: auto`: with LoRA the peft model with its adapters off (TRL's own way), full-parameter the
+    log-probabilities of the model as loaded, computed in one pass before training (`precompute_ref_log_probs`: no
+    second model in memory, as the app's stored pass). Other losses are other TRL trainers (CPO, ORPO)."""
     pref = cfg.preference
     if pref is None or pref.loss not in ("sigmoid", "ipo"):
         raise SystemExit(f"trl_dpo: preference.loss must be sigmoid or ipo, not {pref and pref.loss}")
-    if cfg.model.lora is None or pref.reference != "auto":
-        raise SystemExit("trl_dpo: needs model.lora and preference.reference: auto (the adapters off, as TRL's own)")
-    return dict(loss_type=[pref.loss], beta=pref.beta, label_smoothing=pref.label_smoothing)
+    if pref.reference != "auto":
+        raise SystemExit("trl_dpo: needs preference.reference: auto (the model as loaded, as TRL's own reference)")
+    stored = {"precompute_ref_log_probs": True} if cfg.model.lora is None else {}
+    return dict(loss_type=[pref.loss], beta=pref.beta, label_smoothing=pref.label_smoothing, **stored)
 
 
 def main() -> None:

@@ -90,13 +90,15 @@ def test_chat_cases_pair_the_app_with_trl_on_the_same_config(tmp_path):
 
 
 def test_dpo_cases_pair_the_app_with_trls_dpo_trainer_on_the_same_config(tmp_path):
-    """Issue #51 item 6: DPO with LoRA r=16 of the 1.1B and 8B shapes on one GPU, the settings the app's auto cannot
-    choose for preference runs set (stage 0, pure bf16, no checkpointing, the micro-batch), each beside TRL's
-    DPOTrainer on the same config file."""
+    """Issue #51 item 6: DPO with LoRA r=16 of the 1.1B and 8B shapes and full-parameter of the 1.1B on one GPU, the
+    settings the app's auto cannot choose for preference runs set (stage 0, pure bf16, no checkpointing, the
+    micro-batch), each beside TRL's DPOTrainer on the same config file."""
     cases = [c for c in bench.SUITES["trl"] if c.lengths == "preference"]
-    assert {(c.shape, c.runner) for c in cases} == {
-        (shape, runner) for shape in ("llama-1.1b", "llama-8b") for runner in ("app", "trl-dpo")
-    }
+    assert sorted((c.shape, c.runner, "-full" in c.name) for c in cases) == sorted(
+        (shape, runner, full)
+        for shape, full in (("llama-1.1b", False), ("llama-1.1b", True), ("llama-8b", False))
+        for runner in ("app", "trl-dpo")
+    )
     knobs = {case.name: k for case, k in _configs(tmp_path, cases, gpu_memory=143_771 * 2**20)}
     for case in cases:
         k = knobs[case.name]
@@ -110,12 +112,29 @@ def test_dpo_cases_pair_the_app_with_trls_dpo_trainer_on_the_same_config(tmp_pat
             True,
         ), (case.name, k)
         assert (k["stage"], k["pure_bf16"], k["act_ckpt"], k["defaults"]) == (0, True, False, False), case.name
-        assert k["lora"]["r"] == 16 and k["lora"]["dropout"] == 0.0, case.name
+        assert (k["lora"] is None) if "-full" in case.name else (k["lora"]["r"], k["lora"]["dropout"]) == (16, 0.0)
         if case.runner == "trl-dpo":
             app = knobs[case.name.removeprefix("trl-dpo-").join(["dpo-", "-z0-pure"])]
             same = ("micro_batch", "seq", "grad_accum", "lora", "liger", "act_ckpt", "ds_config")
             assert {key: k[key] for key in same} == {key: app[key] for key in same}, case.name
             assert "-m benchmarks.trl_dpo" in k["command"] and "--deepspeed" not in k["command"], case.name
+
+
+def test_the_dpo_peer_takes_the_apps_reference_as_a_dpo_config(tmp_path):
+    """TRL's reference as the app's `reference: auto`: the peft model with its adapters off for LoRA (no
+    precomputation), the log-probabilities of the loaded model stored by a pass before training for full-parameter;
+    DPOConfig accepts what the peer passes it."""
+    from trl import DPOConfig
+
+    from app import config
+    from benchmarks import trl_dpo
+
+    cases = [c for c in bench.SUITES["trl"] if c.runner == "trl-dpo" and c.shape == "llama-1.1b"]
+    for case, _ in _configs(tmp_path, cases):
+        cfg = config.load(tmp_path / "configs" / f"{case.name}.yaml")
+        args, full = trl_dpo.dpo_args(cfg), "-full" in case.name
+        assert args.get("precompute_ref_log_probs", False) == full, case.name
+        assert DPOConfig(output_dir=str(tmp_path / "o"), bf16=False, **args).precompute_ref_log_probs == full
 
 
 def test_preference_corpus_is_deterministic_and_one_pair_fills_more_than_half_a_block(tmp_path):
