@@ -456,3 +456,51 @@ def test_a_descriptor_reads_its_rows_and_nothing_else(tmp_path):
         assert rows[pipeline.chat.ROW] == picked.tolist()  # the index in the split, not in the file
         numbers = [at[n + 5] if place == "line" else n + 6 for n in picked]
         assert places == [f"{file} {place} {n}" for n in numbers]
+
+
+def test_the_actors_tokenizer_encodes_as_the_model_tokenizer_and_imports_neither_torch_nor_transformers(
+    tiny_model, tmp_path
+):
+    """app.data.tokens: the driver's backend, pickled to an actor, gives transformers' ids and offsets (special
+    tokens in the text, with and without the tokenizer's own added); a conversation unit encoded with it equals
+    the transformers tokenizer's, row by row as chat.Encoder encodes one; and a process that unpickles it and
+    encodes a unit loads neither torch nor transformers."""
+    import pickle
+    import subprocess
+    import sys
+
+    from app.data import chat, encode, tokens
+    from app.model import load_tokenizer
+
+    cfg = chat_config(tmp_path, tiny_model)
+    tok = load_tokenizer(cfg.model)
+    light = pickle.loads(pickle.dumps(tokens.light(tok, cfg.model)))
+    assert light is not None and light._full is None
+    texts = [line for line in CORPUS.read_text().splitlines()[:50] if line] + [f"a{tok.eos_token} b\n\n c  "]
+    for special in (False, True):
+        want = tok(texts, add_special_tokens=special, return_offsets_mapping=True)
+        got = light(texts, add_special_tokens=special, return_offsets_mapping=True)
+        assert got["input_ids"] == want["input_ids"] and got["offset_mapping"] == want["offset_mapping"]
+    rows = [json.loads(line) for line in CHAT.read_text().splitlines()[:40]]
+    rows = [{**row, chat.ROW: n} for n, row in enumerate(rows)]
+    one = chat.Encoder(cfg.data, "chat", tok, str)
+    assert chat.Encoder(cfg.data, "chat", light, str).many(rows) == [one(row) for row in rows]
+
+    columns = {"messages": [row["messages"] for row in rows], chat.ROW: list(range(len(rows)))}
+    text = {"text": texts}
+    (tmp_path / "tokens.pkl").write_bytes(pickle.dumps((tokens.light(tok, cfg.model), cfg.data, columns, text)))
+    script = (
+        "import pickle, sys; from app.data import encode; t, d, rows, text = pickle.load(open(sys.argv[1], 'rb')); "
+        "plain = d.model_copy(update={'format': 'text'}); a = encode.UnitEncoder(plain, 'text', t, str)(text); "
+        "print(a.counts['tokens'], sorted(m for m in ('torch', 'transformers') if m in sys.modules)); "
+        "b = encode.UnitEncoder(d, 'chat', t, str)(rows); print(b.counts['tokens'], 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "tokens.pkl")], capture_output=True, text=True, check=True
+    )
+    plain = cfg.data.model_copy(update={"format": "text"})
+    want = [encode.UnitEncoder(plain, "text", tok, str)(text), encode.UnitEncoder(cfg.data, "chat", tok, str)(columns)]
+    # Rendering a conversation imports transformers' Jinja renderer (transformers.utils, not its models or torch).
+    assert done.stdout.split() == [str(want[0].counts["tokens"]), "[]", str(want[1].counts["tokens"]), "False"], (
+        done.stdout + done.stderr
+    )

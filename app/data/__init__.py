@@ -8,6 +8,8 @@
 - `encode`: one unit of rows to compact arrays (render, mask, tokenize, pack);
 - `pipeline`: the prepared dataset's key, and its preparation by Ray Data over every CPU of the cluster;
 - `store`: the prepared dataset on the volume, read memory-mapped as a map-style dataset;
+- `units`: a unit's files in it (their names and writing; no torch, for the actors that write them);
+- `tokens`: the tokenizer as the Ray Data actors hold it (the driver's backend: no transformers to import);
 - `manifest`: what a prepared dataset holds, for the log and `finetune status`;
 - `loader`: what training reads: the resumable sampler, the packed collator, the loaders;
 - `legacy`: the per-experiment cache of experiments started before prepared datasets.
@@ -51,6 +53,8 @@ _MODULES = (
     "encode",
     "pipeline",
     "store",
+    "units",
+    "tokens",
     "manifest",
     "loader",
     "legacy",

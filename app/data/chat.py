@@ -562,9 +562,16 @@ def encode_chat(
     """(token ids, labels, the token index after each target assistant turn: where a truncation may cut)."""
     text, spans = render_chat(messages, template, tokenizer, tools, first_target)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    mask, ends = _targets(enc["offset_mapping"], spans)
-    ids = enc["input_ids"]
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return masked(enc["input_ids"], enc["offset_mapping"], spans, tokenizer, train_on_prompt)
+
+
+def masked(ids, offsets, spans, tokenizer, train_on_prompt: bool, special=None):
+    """encode_chat's result for a rendering's tokens (ids, offsets) and its assistant spans; `special`: the
+    tokenizer's special ids (app.data.tokens.special_ids), found here when not given."""
+    from app.data.tokens import special_ids
+
+    mask, ends = _targets(offsets, spans)
+    special = special_ids(tokenizer) if special is None else special
     for end in ends:
         if end == 0 or ids[end - 1] not in special:
             last = tokenizer.decode(ids[max(0, end - 3) : end])
@@ -643,12 +650,50 @@ class Encoder:
     def __init__(self, cfg, fmt: str, tokenizer, locate: Callable[[int], str]):
         self.fmt, self.tokenizer, self.locate, self.cfg = fmt, tokenizer, locate, cfg
         self._template = template_of(cfg, tokenizer) if fmt == "chat" else None
+        self.special = None  # the tokenizer's special ids, found at the first conversation
 
     @property
     def template(self) -> str:
         if self._template is None:
             self._template = template_of(self.cfg, self.tokenizer)
         return self._template
+
+    def many(self, rows: list[dict[str, Any]]) -> list[tuple[list[int], list[int], list[int]]]:
+        """What __call__ gives for each row, the rendered conversations tokenized in one call (one call a row was a
+        third of a unit's time); a bad row raises what __call__ raises, after any of the rows before it."""
+        out: list[Any] = []
+        rendered, failure = [], None  # rendered: (its place in out, its row, text, spans)
+        for row in rows:
+            try:
+                if (problem := row_problem(row, self.fmt)) is not None:
+                    raise Problem("data.dataset", self.locate(row[ROW]), *problem)
+                if (turns := conversation(row, self.fmt)) is None:
+                    out.append(self(row))
+                    continue
+                messages, tools, first_target = turns
+                try:
+                    text, spans = render_chat(messages, self.template, self.tokenizer, tools, first_target)
+                except TemplateError as exc:
+                    raise render_problem(self.cfg, self.locate(row[ROW]), exc) from None
+            except Problem as exc:
+                failure = exc
+                break
+            rendered.append((len(out), row, text, spans))
+            out.append(None)
+        if rendered:
+            enc = self.tokenizer([r[2] for r in rendered], add_special_tokens=False, return_offsets_mapping=True)
+            if self.special is None:
+                from app.data.tokens import special_ids
+
+                self.special = special_ids(self.tokenizer)
+            for (at, row, _, spans), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+                try:
+                    out[at] = masked(ids, offsets, spans, self.tokenizer, self.cfg.train_on_prompt, self.special)
+                except TemplateError as exc:
+                    raise render_problem(self.cfg, self.locate(row[ROW]), exc) from None
+        if failure is not None:
+            raise failure
+        return out
 
     def __call__(self, row: dict[str, Any]):
         if (problem := row_problem(row, self.fmt)) is not None:

@@ -90,8 +90,7 @@ class UnitEncoder:
         names = list(rows)
         n = len(rows[names[0]]) if names else 0
         encoded, truncated, dropped = [], 0, 0
-        for i in range(n):
-            ids, labels, ends = self.chat({name: rows[name][i] for name in names})
+        for ids, labels, ends in self.chat.many([{name: rows[name][i] for name in names} for i in range(n)]):
             kept = chat.fit(ids, labels, ends, self.cfg.seq_length)
             if kept is None:
                 dropped += 1

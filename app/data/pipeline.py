@@ -27,17 +27,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app import faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
-from app.data import chat, pairs, ranges
+from app.data import chat, pairs, ranges, tokens
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
 from app.data.files import is_local, saved_dataset, split_files, split_names
 from app.data.manifest import MANIFEST, read_manifest, summary
 from app.data.sources import format_of, load_split, row_location
-from app.data.store import PreparedSplit, remove_tree, write_unit
+from app.data.units import remove_tree, write_unit
 from app.errors import Problem
+
+if TYPE_CHECKING:
+    from app.data.store import PreparedSplit
 
 PREPARED = "prepared"  # under experiment.storage_path, beside the experiments' folders
 VERSION = "prepared-v1"  # the preparation code's version: a change to the bytes it writes changes it
@@ -221,6 +224,8 @@ def tokenize(raw, tokenizer, cfg: DataConfig) -> PreparedSplit:
     """The blocks of `raw` (rows as `datasets` loaded them) in this process, as preparation makes them (app.data.encode,
     unit by unit): packed text in full seq_length blocks; padded rows with labels -100 on padding; chat and
     prompt/completion rows with labels on the assistant turns or the completion."""
+    from app.data.store import PreparedSplit
+
     fmt = format_of(cfg, raw.column_names)
     if fmt != "text" and chat.ROW not in raw.column_names:
         raw = raw.add_column(chat.ROW, list(range(len(raw))))
@@ -370,15 +375,16 @@ def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, 
         "split": name,
         "folder": str(tmp),
     }
+    light = tokens.light(tokenizer, cfg.model)  # the actors' tokenizer (None: they load the model's own)
     if len(units) <= 1 or not _ray_up():
-        preparer = UnitPreparer(**options, tokenizer=tokenizer)
+        preparer = UnitPreparer(**options, tokenizer=light or tokenizer)
         done = []
         for n, (source, rows) in enumerate(units):
             sent = {"parts": rows, "rows": None} if isinstance(rows, dict) else {"rows": rows}
             done.append(preparer({"unit": n, "source": source, **sent}))
             _counts(done[-1])
     else:
-        done = _on_ray(cfg, name, options, units)
+        done = _on_ray(cfg, name, {**options, "tokenizer": light}, units)
     found = sorted((json.loads(row["result"]) for row in done), key=lambda u: u["unit"])
     totals = {c: sum(u["counts"].get(c, 0) for u in found) for c in COUNTS}
     if any("pairs" in u["counts"] for u in found):  # preference data: documents come in pairs
@@ -471,14 +477,17 @@ class Progress:
 
 
 class UnitPreparer:
-    """A Ray Data actor (or, for one unit, the driver): loads the tokenizer once, then encodes units of any source
-    (an encoder per source: its format and template) and writes their arrays into the temporary folder."""
+    """A Ray Data actor (or, for one unit, the driver): takes the driver's tokenizer (app.data.tokens) or else loads
+    it once, then encodes units of any source (an encoder per source: its format and template) and writes their
+    arrays into the temporary folder."""
 
     def __init__(self, config: dict, sources: list[dict], split: str, folder: str, tokenizer=None):
-        from app.model import load_tokenizer
-
         cfg = TrainingConfig.model_validate(config)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        if tokenizer is None:
+            from app.model import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = tokenizer
         self.sources, self.encoders, self.schemas = sources, {}, {}
         self.where = ranges.Where()
         self.packing = cfg.data.packing

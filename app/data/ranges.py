@@ -277,7 +277,6 @@ def _parse(file: str, lines: list[bytes], numbers: list[int], schema):
     """The lines as a table of the split's schema; a line that is no JSON object is named by its file and line."""
     import pyarrow as pa
     import pyarrow.json as paj
-    from datasets.table import table_cast
 
     data = b"\n".join(lines) + b"\n"
     options = paj.ReadOptions(block_size=len(data) + 1, use_threads=False)
@@ -296,6 +295,8 @@ def _parse(file: str, lines: list[bytes], numbers: list[int], schema):
             reason = f"not JSON: {err}"
         if reason is not None:
             raise Problem("data.dataset", file, f"line {number} is {reason}", "fix or remove that line")
+    from datasets.table import table_cast  # here, not above: an actor that never gets here does not import datasets
+
     try:
         return table_cast(paj.read_json(io.BytesIO(data), read_options=options), schema)
     except (pa.ArrowInvalid, TypeError, ValueError) as exc:

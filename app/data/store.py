@@ -19,7 +19,6 @@ What a block becomes (`PreparedSplit[i]`), per layout (app.data.encode.layout_of
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +26,9 @@ import numpy as np
 import torch
 
 from app.data.manifest import MANIFEST, read_manifest
+from app.data.units import remove_tree, unit_path, write_unit  # noqa: F401 - the store's names too
 
 REFERENCE = "reference"  # a unit's reference log-probability of each answer (float32), stored beside the data
-
-
-def unit_path(folder: Path, split: str, unit: int, name: str) -> Path:
-    return folder / split / f"unit-{unit:06d}.{name}.npy"
-
-
-def write_unit(folder: Path, split: str, unit: int, arrays: dict[str, np.ndarray]) -> int:
-    """The unit's arrays into `folder` (a prepared dataset's temporary folder); returns the bytes written."""
-    written = 0
-    (folder / split).mkdir(parents=True, exist_ok=True)
-    for name, array in arrays.items():
-        path = unit_path(folder, split, unit, name)
-        np.save(path, array, allow_pickle=False)
-        written += path.stat().st_size
-    return written
 
 
 class PreparedSplit(torch.utils.data.Dataset):
@@ -203,12 +188,3 @@ def open_splits(folder: Path) -> tuple[PreparedSplit, PreparedSplit | None]:
     manifest = read_manifest(folder) or {}
     evalset = PreparedSplit.open(folder, "eval") if "eval" in manifest.get("splits", {}) else None
     return PreparedSplit.open(folder, "train"), evalset
-
-
-def remove_tree(folder: Path) -> None:
-    """A temporary folder's removal that never fails the caller (what it could not remove, a later run ignores)."""
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
-    if os.path.lexists(folder) and not os.path.isdir(folder):
-        os.unlink(folder)
