@@ -436,7 +436,7 @@ def _on_ray(cfg: TrainingConfig, name: str, options: dict, units: list) -> list[
     actors = max(1, min(len(units), cfg.data.num_proc or cpus, cpus))
     log.info(f"preparing {name}: {rows:,} rows in {len(units)} units on up to {actors} CPUs (Ray Data)")
     encoded = ray.data.from_items(items).map(
-        UnitPreparer, fn_constructor_kwargs=options, concurrency=actors, num_cpus=1
+        UnitPreparer, fn_constructor_kwargs={**options, "threads": 1}, concurrency=actors, num_cpus=1
     )
     progress = Progress(name, rows)
     done = []
@@ -481,7 +481,11 @@ class UnitPreparer:
     it once, then encodes units of any source (an encoder per source: its format and template) and writes their
     arrays into the temporary folder."""
 
-    def __init__(self, config: dict, sources: list[dict], split: str, folder: str, tokenizer=None):
+    def __init__(self, config: dict, sources: list[dict], split: str, folder: str, tokenizer=None, threads=None):
+        if threads:
+            # An actor holds `threads` CPUs: the tokenizer's thread pool (rayon's, sized once, on first use) takes
+            # no more, or 16 actors of 1 CPU would each start 16 threads on a 16-core node.
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         cfg = TrainingConfig.model_validate(config)
         if tokenizer is None:
             from app.model import load_tokenizer
