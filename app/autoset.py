@@ -7,9 +7,9 @@ On GPUs the choice is app/resolve.py's, from the GPU count (scaling.num_workers)
 (scaling.gpu_memory, which `finetune validate --gpu-memory` sets; else what the cluster tells `finetune train`), the
 model's config, the method and seq_length; its reasons are the run's start-up lines. On CPUs (tests, the laptop
 path) the choice is fixed (CPU_DEFAULTS), without the memory model. A redeploy over an experiment's checkpoints keeps
-what they depend on: the pure bf16 its contract recorded (unless --accept-changed names it), the micro-batch whose
-batches the resume position counts, and the ZeRO stage where another one could not load them (the app's own AdamW
-of pure bf16 at stage 0), each as long as it fits.
+what they depend on: the pure bf16 its contract recorded (unless --accept-changed names it), and the micro-batch whose
+batches the resume position counts, each as long as it fits; the ZeRO stage is chosen afresh (a resume at another
+stage converts the checkpoint, stage 0 included).
 
 Where no choice can be made (`validate` or `prepare` without the GPUs' memory, or without the model's config
 offline), stand-ins take the fields' place for the checks and a note says so; `finetune train` refuses instead,
@@ -64,10 +64,9 @@ class Hardware:
 @dataclass
 class Kept:
     """What a field left to auto keeps: {field: (value, why)} (a micro-batch the deepspeed block sets; over an
-    experiment's checkpoints what they depend on), and the newest checkpoint's ZeRO stage and name."""
+    experiment's checkpoints what they depend on), and the newest checkpoint's name."""
 
     values: dict[str, tuple[Any, str]] = field(default_factory=dict)
-    stage: int | None = None
     checkpoint: str = ""
     resumed_batch: bool = (
         False  # the micro-batch is the checkpoint's: halving it (accumulation doubled) keeps its batch
@@ -300,9 +299,8 @@ def liger(cfg: TrainingConfig, model_config: Any) -> bool:
 def _resolve(cfg: TrainingConfig, shape: resolve.Shape, liger_on: bool, memory: int, kept: Kept) -> resolve.Resolved:
     """The resolver's choice with the kept values fixed (their reasons said). A kept micro-batch that no longer fits
     is halved and the accumulation doubled while the global batch stays whole; a kept value that cannot fit at all
-    is chosen afresh (the contract or the resume plan then refuses the change, with its own fix). Over a checkpoint
-    of another stage, a choice of pure bf16 at stage 0 (which no stage change converts) keeps the checkpoint's stage
-    where that fits."""
+    is chosen afresh (the contract or the resume plan then refuses the change, with its own fix). The ZeRO stage is
+    chosen afresh: a resume at another stage converts the checkpoint (app.checkpoint.ResumePlan), stage 0 included."""
     base = resolve.request_from_config(cfg, liger_on)
     base = dataclasses.replace(base, host_memory=host_memory(cfg)[0])
     request = dataclasses.replace(base, **{ATTRIBUTES[p]: v for p, (v, _) in kept.values.items() if p in FIELDS})
@@ -321,18 +319,6 @@ def _resolve(cfg: TrainingConfig, shape: resolve.Shape, liger_on: bool, memory: 
     if not resolved.fits and kept.values and resolve.resolve(shape, gpus, memory, base).fits:
         kept.values.clear()
         resolved = resolve.resolve(shape, gpus, memory, base)
-    # app.checkpoint.ResumePlan converts between stages 1-3 only: auto keeps a checkpoint's stage rather than move to 0.
-    if (
-        STAGE not in kept.values
-        and resolved.zero_stage.value == 0
-        and kept.stage not in (None, 0)
-        and base.zero_stage is None
-    ):
-        again = resolve.resolve(shape, gpus, memory, dataclasses.replace(request, zero_stage=kept.stage))
-        if again.fits:
-            why = f"kept from {kept.checkpoint}: stage 0 cannot load a checkpoint of another stage"
-            kept.values[STAGE] = (kept.stage, why)
-            resolved = again
     return _with_reasons(resolved, kept)
 
 
@@ -368,13 +354,9 @@ def kept_choices(cfg: TrainingConfig, auto: tuple[str, ...], accepted: tuple[str
         state = read_state(latest)
     except (OSError, ValueError):
         return kept
-    kept.stage = state.get("zero_stage") if isinstance(state.get("zero_stage"), int) else None
     if MICRO in auto and MICRO not in kept.values and isinstance(state.get("micro_batch_size"), int):
         why = f"kept from {latest.name}: the resume position counts its batches"
         kept.values[MICRO], kept.resumed_batch = (state["micro_batch_size"], why), True
-    if STAGE in auto and kept.stage == 0:
-        why = f"kept from {latest.name}, written at stage 0: no stage change converts its optimizer state"
-        kept.values[STAGE] = (kept.stage, why)
     return kept
 
 

@@ -524,10 +524,7 @@ def build_optimizer(model, cfg: TrainConfig, offloaded: bool, clips: bool = Fals
     """AdamW; DeepSpeed's CPU Adam when the optimizer lives on the CPU (a torch AdamW crashes there), its moments
     in bf16 with train.pure_bf16 (torch's AdamW keeps them in the dtype of the bf16 partitions it is given).
     `clips`: the optimizer clips to train.max_grad_norm itself (ClippingAdamW: DeepSpeed's mixed precision is off)."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    decay, no_decay = ([param for _, param in group] for group in decay_groups(model))
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = dict(lr=cfg.learning_rate, betas=cfg.adam_betas, eps=cfg.adam_eps)
     if offloaded:
@@ -539,6 +536,19 @@ def build_optimizer(model, cfg: TrainConfig, offloaded: bool, clips: bool = Fals
     if clips:
         return ClippingAdamW(groups, max_norm=cfg.max_grad_norm, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def decay_groups(model, whole: bool = False) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The trained (name, parameter) pairs AdamW decays and those it does not (norms, biases), in the model's order:
+    `build_optimizer`'s two groups. `whole`: by each parameter's whole shape where ZeRO-3 partitioned it (`ds_shape`),
+    the groups a stage-0 optimizer had (app.checkpoint.formats names its entries by them); the optimizer itself is
+    built over the parameters as they are."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            ndim = len(getattr(param, "ds_shape", param.shape)) if whole else param.ndim
+            (no_decay if ndim < 2 or "norm" in name.lower() else decay).append((name, param))
+    return decay, no_decay
 
 
 class ClippingAdamW(torch.optim.AdamW):

@@ -438,6 +438,7 @@ class CheckpointManager:
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
             "precision": t.precision,
             "zero_stage": cfg.zero_stage,  # a resume at another stage converts (checkpoint.ResumePlan)
+            "pure_bf16": t.pure_bf16 is True,  # bf16 master weights: a resume that changes it says so
             "experiment": cfg.experiment.name,
         }
         self.saves: list[float] = []  # seconds each save of this attempt took, from its start until it was complete

@@ -171,28 +171,30 @@ def test_resume_plan_problems_name_the_workers():
     assert plan.gradient_accumulation_steps is None and "needs ZeRO stage 1, 2 or 3" in plan.problems[0].message
 
 
-def test_a_resume_at_another_zero_stage_converts_between_stages_1_to_3_and_refuses_stage_0():
-    """A change between stages 1, 2 and 3 goes through DeepSpeed's universal checkpoint (tests/test_reliability.py
-    runs 3 -> 2); to or from stage 0 it is refused with the stage it needs (3 -> 0 failed in every worker).
-    Checkpoints that predate the record pass."""
+def test_a_resume_at_another_zero_stage_converts_between_any_stages():
+    """A change of stage goes through DeepSpeed's universal checkpoint (tests/test_reliability.py runs 3 -> 2;
+    tests/test_stage0.py to and from stage 0, whose optimizer the app converts); the note says so, and says when the
+    master weights change precision (train.pure_bf16 changed). Checkpoints that predate the record pass."""
     from app.checkpoint import ResumePlan
     from app.config import parse
 
-    def cfg(stage: int, workers: int = 2):
-        return parse({"scaling": {"num_workers": workers}, "deepspeed": {"zero_optimization": {"stage": stage}}})
+    def cfg(stage: int, workers: int = 2, pure: bool = False):
+        zero = {"zero_optimization": {"stage": stage}}
+        return parse({"scaling": {"num_workers": workers}, "deepspeed": zero, "train": {"pure_bf16": pure}})
 
     state = {"world_size": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 1, "zero_stage": 2}
-    for stage in (1, 3):
+    for stage in (1, 3, 0):
         plan = ResumePlan.decide("step-00000004", state, cfg(stage))
         assert not plan.problems and plan.gradient_accumulation_steps is None, plan
         assert f"written at ZeRO stage 2, this run has stage {stage}" in plan.note and "universal" in plan.note
+        assert ("stage 0 saves its optimizer whole" in plan.note) == (stage == 0), plan.note
     both = ResumePlan.decide("step-00000004", state, cfg(3, workers=1))  # stage and workers: one note, both said
     assert both.gradient_accumulation_steps == 2 and "stage 3" in both.note and "written by 2 workers" in both.note
-    (problem,) = ResumePlan.decide("step-00000004", state, cfg(0)).problems
-    assert problem.field == "deepspeed.zero_optimization.stage" and problem.value == 0, problem
-    assert "not to or from stage 0" in problem.message and "stage=2" in problem.fix, problem
-    (problem,) = ResumePlan.decide("step-00000004", {**state, "zero_stage": 0}, cfg(3)).problems
-    assert "written at ZeRO stage 0" in problem.message and "stage=0" in problem.fix, problem
+    pure = ResumePlan.decide("step-00000004", {**state, "zero_stage": 0, "pure_bf16": True}, cfg(3))
+    assert "written at ZeRO stage 0" in pure.note and "change precision, bf16 -> fp32" in pure.note, pure.note
+    assert "precision" not in ResumePlan.decide("step-00000004", {**state, "pure_bf16": True}, cfg(0, pure=True)).note
+    (problem,) = ResumePlan.decide("step-00000004", state, cfg(0, workers=1)).problems  # stage 0: the same workers
+    assert problem.field == "scaling.num_workers" and "needs ZeRO stage 1, 2 or 3" in problem.message, problem
     assert ResumePlan.decide("step-00000004", state, cfg(2)) == ResumePlan("step-00000004")
     older = {k: v for k, v in state.items() if k != "zero_stage"}
     assert ResumePlan.decide("step-00000004", older, cfg(3)) == ResumePlan("step-00000004")

@@ -10,6 +10,10 @@
   weights from the converted fp32 files, and only metadata (step counts, the scheduler) from a model-states file
   whose name depends on the loading engine's stage, and the converter's layouts for stage 3 and for stages 0-2 differ
   (`complete_universal` fills in each from the other).
+- DeepSpeed's stage-0 checkpoint: no ZeRO partitions, which its converter reads, and no universal reader at stage 0;
+  the whole optimizer is a torch state_dict in the one model-states file. `stage0_to_universal` and
+  `load_universal_stage0` convert it to and from the universal folder, so that a redeploy may change the stage to or
+  from 0.
 """
 
 from __future__ import annotations
@@ -190,6 +194,103 @@ def _complete_optimizer_states(folder: Path, model_states: Path, groups: int) ->
     if changed:
         save(optimizer, folder / OPTIMIZER_STATE)
     return added
+
+
+def stage0_to_universal(src: Path, dst: Path, names: list[list[str]]) -> str:
+    """Writes the stage-0 checkpoint in `src` as a universal folder `dst` that stages 1-3 load. Stage 0 saves its whole
+    optimizer in its model-states file: a torch optimizer's state_dict, whose entries are numbered across its parameter
+    groups (`names`: each group's parameter names in that order, `app.model.decay_groups`), either over the model's own
+    parameters (train.pure_bf16 or fp32 training: the module holds the master weights) or inside DeepSpeed's mixed
+    precision wrapper (FP16_UnfusedOptimizer), with the fp32 masters beside it (`fp32_groups`). Each parameter's master
+    weight, Adam moments and step go to `zero/<name>/` in fp32 (a bf16 value is exact in fp32), as DeepSpeed's converter
+    writes a stage 0-2 checkpoint; the groups' settings to `zero/optimizer_state.pt`; the model-states file, without the
+    optimizer and module, keeps the step counters and the schedule. Returns the master weights' dtype (bfloat16,
+    float32), for the log. Raises ValueError where the optimizer does not match `names`."""
+    import torch
+    from deepspeed.checkpoint.constants import DS_VERSION, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+
+    states = torch.load(src / MODEL_STATES_NAMES[1], map_location="cpu", weights_only=False)
+    saved = states.get("optimizer")
+    if not saved:
+        raise ValueError(f"{src / MODEL_STATES_NAMES[1]} holds no optimizer state")
+    mixed = "fp32_groups" in saved
+    inner = saved[OPTIMIZER_STATE_DICT] if mixed else saved
+    sizes, wanted = [len(group["params"]) for group in inner[PARAM_GROUPS]], [len(group) for group in names]
+    if sizes != wanted:
+        raise ValueError(f"its optimizer's groups hold {sizes} parameters, this model's {wanted}")
+    dtype, step = None, 0.0
+    for g, group in enumerate(inner[PARAM_GROUPS]):
+        for i, (index, name) in enumerate(zip(group["params"], names[g])):
+            master = saved["fp32_groups"][g][i] if mixed else states["module"][name]
+            state, dtype = inner["state"].get(index, {}), dtype or master.dtype
+            step = float(state.get("step", 0.0))
+            folder = dst / "zero" / name
+            folder.mkdir(parents=True, exist_ok=True)
+            torch.save({PARAM: master.float()}, folder / "fp32.pt")
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment = state.get(key, torch.zeros_like(master))
+                torch.save({PARAM: moment.float().reshape(master.shape)}, folder / f"{key}.pt")
+            torch.save(torch.tensor(step), folder / "step.pt")
+    global_state = {
+        PARAM_GROUPS: inner[PARAM_GROUPS],
+        DS_VERSION: states.get(DS_VERSION),
+        OPTIMIZER_STATE_DICT: {"state": {0: {"step": torch.tensor(step)}}, PARAM_GROUPS: inner[PARAM_GROUPS]},
+    }
+    torch.save(global_state, dst / OPTIMIZER_STATE)
+    torch.save({**states, "optimizer": None, "module": None}, dst / MODEL_STATES_NAMES[1])
+    return str(dtype).removeprefix("torch.")
+
+
+def load_universal_stage0(engine, folder: Path) -> None:
+    """Loads the universal folder `folder` into a stage-0 engine (DeepSpeed's stage-0 optimizers have no universal
+    reader: a TypeError in every worker, measured 3 -> 0 with 0.19.8): each parameter's master weight into the
+    optimizer's masters (the fp32 copies of DeepSpeed's mixed precision, or the model's own parameters under
+    train.pure_bf16 or fp32 training) and into the model, its Adam moments and step into the torch optimizer's state
+    (cast to the dtype of the parameters it updates: bf16 under train.pure_bf16), each group's learning rate, and the
+    engine's step counters. The schedule is `scheduler_state`'s."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM, PARAM_GROUPS
+
+    def read(path: Path):
+        value = torch.load(path, map_location="cpu", weights_only=False)
+        return value[PARAM] if isinstance(value, dict) else value
+
+    optimizer = engine.optimizer
+    mixed = hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups")
+    inner = optimizer.optimizer if mixed else optimizer
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    state, index = {}, 0
+    for g, group in enumerate(inner.param_groups):
+        for lp, hp in zip(optimizer.fp16_groups[g] if mixed else group["params"], group["params"]):
+            zero = folder / "zero" / names[id(lp)]
+            with torch.no_grad():
+                hp.copy_(read(zero / "fp32.pt").reshape(hp.shape))
+                if lp is not hp:
+                    lp.copy_(hp)
+            state[index] = {"step": torch.tensor(float(read(zero / "step.pt")))}
+            state[index].update({key: read(zero / f"{key}.pt").reshape(hp.shape) for key in ("exp_avg", "exp_avg_sq")})
+            index += 1
+    inner.load_state_dict({"state": state, PARAM_GROUPS: inner.state_dict()[PARAM_GROUPS]})
+    saved_groups = torch.load(folder / OPTIMIZER_STATE, map_location="cpu", weights_only=False)[PARAM_GROUPS]
+    for g, group in enumerate(inner.param_groups):  # ZeRO-3 saves its groups as one: the last serves for the rest
+        saved = saved_groups[min(g, len(saved_groups) - 1)]
+        group.update({key: saved[key] for key in ("lr", "initial_lr") if key in saved})
+    counters = torch.load(folder / MODEL_STATES_NAMES[1], map_location="cpu", weights_only=False)
+    engine.global_steps, engine.skipped_steps = counters["global_steps"], counters.get("skipped_steps", 0)
+    engine.global_samples = counters.get("global_samples", engine.global_steps * engine.train_batch_size())
+
+
+def master_dtype(engine) -> str:
+    """The dtype an engine's optimizer keeps its master weights in (bfloat16, float32): DeepSpeed's masters at stages
+    1-3 (bf16 with bf16_master_weights_and_grads) and under its mixed precision at stage 0, else the parameters the
+    optimizer updates (stage 0 with train.pure_bf16: the bf16 model)."""
+    optimizer = engine.optimizer
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups"):
+        groups = getattr(optimizer, attr, None)
+        if groups:
+            first = groups[0][0] if isinstance(groups[0], list) else groups[0]
+            return str(first.dtype).removeprefix("torch.")
+    return str(optimizer.param_groups[0]["params"][0].dtype).removeprefix("torch.")
 
 
 def scheduler_state(folder: Path, groups: int) -> dict:

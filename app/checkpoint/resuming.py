@@ -100,13 +100,7 @@ class ResumePlan:
         saved, workers, t = state.get("world_size"), cfg.scaling.num_workers, cfg.train
         stage, stage_note = state.get("zero_stage"), None  # absent in checkpoints written before it was recorded
         if stage is not None and stage != cfg.zero_stage:
-            if refused := _stage_change_problem(name, state, cfg):
-                return cls(name, problems=(refused,))
-            stage_note = (
-                f"the experiment's last checkpoint ({name}) was written at ZeRO stage {stage}, this run has stage "
-                f"{cfg.zero_stage}: the checkpoint is converted to DeepSpeed's universal checkpoint format (once) "
-                "when the run starts, weights and optimizer state kept"
-            )
+            stage_note = _stage_change_note(name, state, cfg)
         replicas, sp = cfg.scaling.data_parallel, cfg.scaling.sequence_parallel
         if not saved or (saved == workers and saved_replicas(state, workers) == replicas):
             return cls(name, note=stage_note)
@@ -159,22 +153,22 @@ class ResumePlan:
         return cfg.model_copy(update={"train": train})
 
 
-def _stage_change_problem(name: str, state: dict[str, Any], cfg: TrainingConfig) -> Problem | None:
-    """A change of ZeRO stage goes through DeepSpeed's universal checkpoint, which converts between stages 1, 2 and 3.
-    Stage 0 on either side is refused: its bf16 optimizer fails to load a converted checkpoint (a TypeError in every
-    worker, measured 3 -> 0 with DeepSpeed 0.19.8), and train.pure_bf16 there trains with the app's own AdamW, whose
-    state DeepSpeed saves whole and its converter cannot read."""
+def _stage_change_note(name: str, state: dict[str, Any], cfg: TrainingConfig) -> str:
+    """A change of ZeRO stage goes through DeepSpeed's universal checkpoint: its converter and loaders between stages
+    1, 2 and 3; to or from stage 0, whose optimizer DeepSpeed saves whole, the app's (app.checkpoint.formats). Where
+    train.pure_bf16 changed too (an accepted change, app.contract), the master weights change precision."""
     stage = state.get("zero_stage")
-    if 0 not in (stage, cfg.zero_stage):
-        return None
-    return Problem(
-        "deepspeed.zero_optimization.stage",
-        cfg.zero_stage,
-        f"the experiment's last checkpoint ({name}) was written at ZeRO stage {stage} and this run has stage "
-        f"{cfg.zero_stage}; DeepSpeed's universal checkpoint converts between stages 1, 2 and 3, not to or from "
-        "stage 0",
-        f"set deepspeed.zero_optimization.stage={stage}, or start a new experiment name",
+    note = (
+        f"the experiment's last checkpoint ({name}) was written at ZeRO stage {stage}, this run has stage "
+        f"{cfg.zero_stage}: the checkpoint is converted to DeepSpeed's universal checkpoint format (once) when the run "
+        "starts, weights and optimizer state kept"
     )
+    if 0 in (stage, cfg.zero_stage):
+        note += " (stage 0 saves its optimizer whole, in another layout: the app converts it)"
+    if isinstance(state.get("pure_bf16"), bool) and state["pure_bf16"] != (cfg.train.pure_bf16 is True):
+        was, now = ("bf16", "fp32") if state["pure_bf16"] else ("fp32", "bf16")
+        note += f"; the master weights change precision, {was} -> {now}"
+    return note
 
 
 # --- 2. rank 0's choice, broadcast ------------------------------------------------------------------------
@@ -340,9 +334,9 @@ def resume(engine, registered, run_dir: Path, rank: int, world: int) -> dict[str
 def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
     """Load engine, optimizer and scheduler states; return the trainer state saved with them.
 
-    A checkpoint written by another number of workers is converted once to DeepSpeed's universal checkpoint
-    format (into `<checkpoint>/universal/`) and loaded from there. If loading fails, the checkpoint is marked
-    unloadable so that the next attempt (Ray's max_failures) or the next deploy falls back to the previous
+    A checkpoint written by another number of workers or at another ZeRO stage is converted once to DeepSpeed's
+    universal checkpoint format (into `<checkpoint>/universal/`) and loaded from there. If loading fails, the checkpoint
+    is marked unloadable so that the next attempt (Ray's max_failures) or the next deploy falls back to the previous
     complete checkpoint instead of failing the same way again."""
     state = read_state(path)
     saved_world = state.get("world_size") or world
@@ -355,16 +349,7 @@ def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
     # weight decay per group stays, and the scheduler's position is loaded fitted to this run's groups.
     decay = [group.get("weight_decay") for group in engine.optimizer.param_groups]
     try:
-        with formats.loading_universal(engine, universal):
-            load_path, _ = engine.load_checkpoint(
-                str(path),
-                tag=tag,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=not restaged,
-                load_module_strict=not lora.is_lora(engine.module),  # LoRA: the adapters only (app.lora)
-            )
-        if load_path is None:
-            raise RuntimeError("DeepSpeed found nothing to load")
+        _load(engine, path, tag, universal, restaged)
         if restaged:
             for group, weight_decay in zip(engine.optimizer.param_groups, decay):
                 group["weight_decay"] = weight_decay
@@ -373,12 +358,8 @@ def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
                 engine.lr_scheduler.load_state_dict(formats.scheduler_state(path / tag, groups))
     except Exception as exc:
         raise _load_error(exc, path, tag, rank, _written_with(state) if universal else None) from exc
-    if universal and rank == 0 and saved_stage != engine.zero_optimization_stage():
-        log.info(
-            f"{path.name} was written at ZeRO stage {saved_stage} and this run has stage "
-            f"{engine.zero_optimization_stage()}: loaded it through DeepSpeed's universal checkpoint format "
-            f"({path / tag})"
-        )
+    if universal and rank == 0 and restaged:
+        log.info(_stage_change_line(engine, path, tag, state))
     if universal and rank == 0 and saved_world != world:
         log.info(
             f"{path.name} was written by {saved_world} workers and this run has {world}: loaded it through "
@@ -390,6 +371,46 @@ def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
     if saved_world == world and rng_file(path, rank).exists():  # the same ranks: each its own RNG streams
         _set_rng_state(torch.load(rng_file(path, rank), weights_only=False))
     return state
+
+
+def _load(engine, path: Path, tag: str, universal: bool, restaged: bool) -> None:
+    """DeepSpeed's load, or at stage 0 from a universal folder (which DeepSpeed cannot read there), the app's."""
+    if universal and engine.zero_optimization_stage() == 0:
+        formats.load_universal_stage0(engine, path / tag)
+        return
+    with formats.loading_universal(engine, universal):
+        load_path, _ = engine.load_checkpoint(
+            str(path),
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=not restaged,
+            load_module_strict=not lora.is_lora(engine.module),  # LoRA: the adapters only (app.lora)
+        )
+    if load_path is None:
+        raise RuntimeError("DeepSpeed found nothing to load")
+
+
+def _stage_change_line(engine, path: Path, tag: str, state: dict[str, Any]) -> str:
+    """The one line that says a resume changed the ZeRO stage, how it was loaded, and whether the master weights
+    changed precision (the trainer state records train.pure_bf16; older checkpoints do not)."""
+    saved_stage, stage = state.get("zero_stage"), engine.zero_optimization_stage()
+    line = (
+        f"{path.name} was written at ZeRO stage {saved_stage} and this run has stage {stage}: loaded it through "
+        f"DeepSpeed's universal checkpoint format ({path / tag})"
+    )
+    if 0 in (saved_stage, stage):
+        line += ", converted by the app (stage 0's optimizer, saved whole), weights, Adam moments and step count kept"
+    if not isinstance(state.get("pure_bf16"), bool):
+        return line
+    was, now = "bfloat16" if state["pure_bf16"] else "float32", formats.master_dtype(engine)
+    if now == was:
+        return line + f"; precision unchanged (master weights in {now})"
+    how = (
+        "exact: every bf16 value is one in fp32"
+        if now == "float32"
+        else "weights and Adam moments rounded to bf16, the optimizer state otherwise kept"
+    )
+    return line + f"; precision changed: master weights {was} -> {now} ({how})"
 
 
 def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: int) -> str:
@@ -409,7 +430,8 @@ def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: 
             "Deploy with the same number of workers, or a micro-batch and accumulation that keep the global batch"
         )
     try:
-        tag = to_universal(path, rank, len(engine.optimizer.param_groups))
+        names = _stage0_names(engine) if state.get("zero_stage") == 0 else None
+        tag = to_universal(path, rank, len(engine.optimizer.param_groups), names)
     except Exception as exc:
         raise CheckpointError(
             f"converting {path} (written with {_written_with(state)}) to DeepSpeed's universal checkpoint format "
@@ -447,15 +469,28 @@ def _load_error(exc: Exception, path: Path, tag: str, rank: int, universal_from:
     )
 
 
-def to_universal(path: Path, rank: int, groups: int = 1) -> str:
-    """Rank 0 converts `<path>/ds` to `<path>/universal` once (atomically: a temp folder renamed into place);
-    returns the tag to load. The other ranks only return the tag (the caller holds a barrier)."""
+def _stage0_names(engine) -> list[list[str]]:
+    """The parameter names of a stage-0 optimizer's groups, in order: `build_optimizer`'s groups over the whole
+    parameters (DeepSpeed drops an empty group)."""
+    from app.model import decay_groups
+
+    return [[name for name, _ in group] for group in decay_groups(engine.module, whole=True) if group]
+
+
+def to_universal(path: Path, rank: int, groups: int = 1, stage0_names: list[list[str]] | None = None) -> str:
+    """Rank 0 converts `<path>/ds` to `<path>/universal` once (atomically: a temp folder renamed into place; the
+    checkpoint itself is only read); returns the tag to load. A stage-0 checkpoint (`stage0_names`: its optimizer's
+    parameter names) is converted by the app, the others by DeepSpeed. The other ranks only return the tag (the caller
+    holds a barrier)."""
     out = path / UNIVERSAL
     if rank == 0 and not (out / ".done").exists():
         tmp = path / (UNIVERSAL + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         log.info(f"converting {path / TAG} to DeepSpeed's universal checkpoint format in {out} (once)")
-        formats.convert_to_universal(path / TAG, tmp)
+        if stage0_names is not None:
+            formats.stage0_to_universal(path / TAG, tmp, stage0_names)
+        else:
+            formats.convert_to_universal(path / TAG, tmp)
         formats.complete_universal(tmp, groups)
         (tmp / ".done").write_text("ok\n")
         shutil.rmtree(out, ignore_errors=True)
