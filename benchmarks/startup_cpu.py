@@ -41,7 +41,8 @@ def one(tree: Path, model: Path, work: Path, name: str, env: dict[str, str], tim
     cfg_path.write_text(yaml.safe_dump(config(model, work, name)))
     metrics = work / "storage" / name / "metrics.jsonl"
     # DeepSpeed's CPU op built once under `work`: not waiting on another run's build in the shared cache.
-    own = {"TORCH_EXTENSIONS_DIR": str(work / "torch_extensions")}
+    # The tree's own code in the driver and in the workers, which inherit its environment.
+    own = {"TORCH_EXTENSIONS_DIR": str(work / "torch_extensions"), "PYTHONPATH": str(tree)}
     proc, launch = launch_app(cfg_path, work / f"{name}.log", {**bench_env(), **own, **env}, tree)
     while not read_records(metrics) and proc.poll() is None and time.time() - launch < timeout:
         time.sleep(0.05)
