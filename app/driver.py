@@ -276,6 +276,8 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     marks = {"driver": _ray_marks.get("driver", now), "ray_started": _ray_marks.get("ray_started", now)}
     s = cfg.scaling
     log.info(f"starting {s.num_workers} training workers (about 30 s: each loads torch, DeepSpeed, the model and data)")
+    # The driver's own part once Ray is up (its records, imports, the data's key) ends here; Ray Train's begins.
+    marks["trainer"] = time.time()
     trainer = TorchTrainer(
         train_loop,
         # The lease token: the workers check it before completing a checkpoint (app/checkpoint/saving.py).

@@ -140,8 +140,9 @@ class MetricsLogger:
 
     def startup(self, marks: dict[str, float]) -> dict[str, Any]:
         """How long each start-up phase took: `marks` are wall-clock times, in order, each ending the phase of
-        its name (driver: the driver began starting Ray; ray_started; worker: the loop began on its worker;
-        imports; data; model; engine). The first step's record ends the start-up."""
+        its name (driver: the driver began starting Ray; ray_started; trainer: the driver handed Ray Train the
+        trainer; worker: the loop began on its worker; imports; data; model; engine). The first step's record ends
+        the start-up."""
         names = list(marks)
         phases = {b: round(marks[b] - marks[a], 2) for a, b in zip(names[:-1], names[1:])}
         record = {"marks": marks, "phases_s": phases}

@@ -50,10 +50,12 @@ def test_zero3_learns(runs):
     records = [json.loads(line) for line in (storage / "full" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train"]
     assert steps and all(0 <= r["data_wait_s"] <= r["step_time_s"] for r in steps), steps[:3]
-    # The start-up is broken down once, before the first step: Ray, worker group, imports, data, model, engine.
+    # The start-up is broken down once, before the first step: Ray, the driver until it hands Ray Train the trainer,
+    # the worker group, imports, data, model, engine.
     startup = [r for r in records if r["kind"] == "startup"]
     assert len(startup) == 1 and startup[0]["time"] <= steps[0]["time"], startup
-    assert list(startup[0]["phases_s"]) == ["ray_started", "worker", "imports", "data", "model", "engine"]
+    phases = ["ray_started", "trainer", "worker", "imports", "data", "model", "engine"]
+    assert list(startup[0]["phases_s"]) == phases
     assert all(v >= 0 for v in startup[0]["phases_s"].values()), startup
     # FINETUNE_PROFILE_STEP: that step's profile, once, from rank 0 (no GPU here: no kernels, all idle).
     profiles = [r for r in records if r["kind"] == "profile"]
