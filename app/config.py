@@ -183,8 +183,8 @@ class ModelConfig(Section):
         description="Long sequences on few GPUs: the tiled MLP, the tiled loss and checkpoints offloaded to host "
         "memory (each described under model.long_sequence.*). auto: each switch auto, i.e. off while the run fits "
         "the GPU without it (so short sequences run as fast as before) and on, in that order, as seq_length needs: "
-        "the Llama-3-8B shape's LoRA on one 141 GB H200 takes the tiles from 262,144 tokens and offloads 21 of its "
-        "32 layers' checkpoints (84 GiB) at 524,288. `finetune validate` prints each switch with its reason. On "
+        "the Llama-3-8B shape's LoRA on one 141 GB H200 takes the tiles from 262,144 tokens and offloads 23 of its "
+        "32 layers' checkpoints (92 GiB) at 524,288. `finetune validate` prints each switch with its reason. On "
         "CPU workers auto turns them off.",
     )
     dropout: float | None = Field(

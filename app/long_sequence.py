@@ -312,4 +312,9 @@ def apply(model: torch.nn.Module, long: Any, checkpointing: bool) -> list[str]:
                 offloaded_checkpoint, layer=layer, store=store, key=key
             )
         said.append(f"checkpoints of {min(count, len(layers))} of {len(layers)} layers in pinned host memory")
+    if said and torch.cuda.is_available():
+        # Blocks of one layer's input (GiB each at these lengths) allocated and freed every layer: in fixed segments
+        # torch's reserved memory ran 6 GiB above what it held and a 512k step failed for want of 4 (docs/training.md).
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        said.append("CUDA memory in expandable segments")
     return said

@@ -251,6 +251,11 @@ class Memory:
     logits: int
     workspace: int  # ZeRO's gathered layers and buckets, one layer's backward scratch
     offloaded: int = 0  # checkpointed activations moved to pinned host memory (not in the GPU's figures)
+    # Long sequences allocate and free blocks of one layer's checkpointed input (4 GiB each for the 8B at 512k)
+    # again and again: torch's reserved memory then runs that much above its allocated peak, twice over (the 512k
+    # run that predicted 137.1 GiB allocated of the H200's 140.4 reached 132.6 and failed at a 4 GiB block with
+    # 6.0 GiB reserved but free: benchmarks/results/2026-12-05-long-512k-oom.jsonl).
+    blocks: int = 0
 
     @property
     def subtotal(self) -> int:
@@ -259,7 +264,7 @@ class Memory:
 
     @property
     def margin(self) -> int:
-        return int(MARGIN_FRACTION * self.subtotal) + MARGIN_BYTES
+        return int(MARGIN_FRACTION * self.subtotal) + MARGIN_BYTES + 2 * self.blocks
 
     @property
     def peak(self) -> int:
@@ -350,6 +355,7 @@ def predict(shape: Shape, gpus: int, request: Request, plan: Plan) -> Memory:
         logits=_loss(shape, request, plan, tokens),
         workspace=_workspace(shape, gpus, request, plan, tokens, trained),
         offloaded=plan.offload_layers * host_block(tokens * checkpoint_bytes(shape)),
+        blocks=tokens * checkpoint_bytes(shape) if plan.tiled_mlp or plan.tiled_loss or plan.offload_layers else 0,
     )
 
 

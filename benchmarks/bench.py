@@ -261,7 +261,7 @@ def long_case(seq: int, runner: str = "app", long: Any = "auto", tag: str = "", 
 
 # The 8B's LoRA at 32k with model.long_sequence off and with every switch on (the tiled MLP and loss, every layer's
 # checkpoint offloaded: their cost at a length auto leaves them off, at most 10% of the step by issue #52), then
-# auto at 128k, 256k and 512k (on one 141 GB H200 and a 128 GiB host: off, tiles, tiles and 21 layers offloaded),
+# auto at 128k, 256k and 512k (on one 141 GB H200 and a 128 GiB host: off, tiles, tiles and 23 layers offloaded),
 # and TRL at 128k and 256k.
 OFF = {"tiled_mlp": False, "tiled_loss": False, "offload_checkpoints": False}
 ON = {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": True}

@@ -34,11 +34,11 @@ def resolved(seq: int, gpu: int, host: int | None = HOST, **ask) -> rs.Resolved:
         (32_768, H200, False, 0),  # the short case runs exactly as before: the 10% rule holds by auto
         (131_072, H200, False, 0),
         (262_144, H200, True, 0),
-        (524_288, H200, True, 21),
+        (524_288, H200, True, 23),
         (4096, H100, False, 0),
         (32_768, H100, False, 0),
         (131_072, H100, True, 0),
-        (262_144, H100, True, 20),
+        (262_144, H100, True, 22),
     ],
 )
 def test_auto_turns_the_switches_on_only_where_the_sequence_needs_them(seq, gpu, switches, layers):
@@ -57,11 +57,13 @@ def r_request(seq: int) -> rs.Request:
     return rs.Request(seq_length=seq, lora=rs.Lora(), learning_rate=2e-4, long=rs.LongAsk(), host_memory=HOST)
 
 
-def test_512k_on_an_h200_offloads_84_gib_of_its_128_gib_of_checkpoints():
+def test_512k_on_an_h200_offloads_92_gib_of_its_128_gib_of_checkpoints():
     """Issue #52's target: 524,288 tokens of the 8B's LoRA on one H200 within a 128 GiB host. 256 KiB a token of
-    checkpoints is 128 GiB: 11 layers' stay on the GPU, 21 layers' (84 GiB) go to the host."""
+    checkpoints is 128 GiB: 9 layers' stay on the GPU, 23 layers' (92 GiB) go to the host; the margin holds two 4 GiB
+    blocks of one layer's input (the allocator's slack the GPU run showed)."""
     r = resolved(524_288, H200)
-    assert r.memory.offloaded == 84 * GIB and r.host_needed == 100 * GIB
+    assert r.memory.offloaded == 92 * GIB and r.host_needed == 108 * GIB
+    assert r.memory.margin >= 8 * GIB
     assert r.memory.needed <= H200 and r.memory.logits < 8 * GIB  # the loss never holds [tokens, vocabulary] logits
     untiled = rs.predict(rs.shape_from_config(LLAMA_8B), 1, r_request(524_288), replace(r.plan, tiled_loss=False))
     assert untiled.logits > 3 * r.memory.logits
@@ -95,8 +97,8 @@ def test_a_host_too_small_for_the_offload_is_refused_with_the_figures():
     assert not r.fits
     (problem,) = r.problems
     assert problem.field == "scaling.host_memory"
-    assert "84.0 GiB of pinned host memory + 16.0 GiB" in problem.message and "has 64.0 GiB" in problem.message
-    assert "hosts of at least 100.0 GiB" in problem.fix
+    assert "92.0 GiB of pinned host memory + 16.0 GiB" in problem.message and "has 64.0 GiB" in problem.message
+    assert "hosts of at least 108.0 GiB" in problem.fix
 
 
 def test_an_unknown_host_allows_no_offload():
@@ -146,11 +148,11 @@ def test_validate_prints_each_switch_and_why(capsys, tmp_path, llama8b):
     )
     assert code == 0, err
     assert chosen(lines, "tiled MLP") == "on (auto)" and chosen(lines, "tiled loss") == "on (auto)"
-    assert chosen(lines, "offloaded checkpoints") == "21 layers (auto)"
+    assert chosen(lines, "offloaded checkpoints") == "23 layers (auto)"
     offload = next(line for line in lines if line.strip().startswith("offloaded checkpoints"))
-    assert "the fewest that fit: 20 would need" in offload and "host memory 100.0 GiB of 128.0 GiB" in offload
+    assert "the fewest that fit: 22 would need" in offload and "host memory 108.0 GiB of 128.0 GiB" in offload
     # The printed config is the one the workers read: the switches concrete.
-    assert cfg["model"]["long_sequence"] == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": 21}
+    assert cfg["model"]["long_sequence"] == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": 23}
 
     code, cfg, _, lines, err = validate(
         capsys, *long_args(tmp_path, llama8b, 32_768), "--gpus", "1", "--gpu-memory", "141GB"
@@ -166,7 +168,7 @@ def test_validate_refuses_a_host_that_cannot_hold_the_offload(capsys, tmp_path, 
     args = long_args(tmp_path, llama8b, 524_288, "scaling.host_memory=64GiB")
     code, *_, err = validate(capsys, *args, "--gpus", "1", "--gpu-memory", "141GB")
     (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert code == 2 and "scaling.host_memory" in line and "84.0 GiB of pinned host memory" in line, err
+    assert code == 2 and "scaling.host_memory" in line and "92.0 GiB of pinned host memory" in line, err
 
 
 def test_cpu_workers_turn_auto_off_and_keep_explicit_switches(tmp_path, tiny_model):
@@ -373,6 +375,6 @@ def test_the_long_suite_builds_each_case_and_auto_chooses_as_predicted(tmp_path,
     off, on = knobs["long-l8b-32k-off"]["long_sequence"], knobs["long-l8b-32k-on"]["long_sequence"]
     assert off == {"tiled_mlp": False, "tiled_loss": False, "offload_checkpoints": False}
     assert on == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": True}
-    assert knobs["long-l8b-512k"]["long_sequence"] == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": 19}
+    assert knobs["long-l8b-512k"]["long_sequence"] == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": 21}
     assert knobs["long-l8b-128k"]["long_sequence"]["offload_checkpoints"] == 0
     assert {name for name, k in knobs.items() if "trl" in k["command"]} == {"trl-long-l8b-128k", "trl-long-l8b-256k"}
