@@ -74,9 +74,10 @@ run-dpo: tiny
 # --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget. Three files at
 # a time (-n 3, each file whole on one worker): the suite keeps under a third of 2 cores busy on average (its tests
 # mostly wait on Ray's processes and on each other's ranks: 13 CPU minutes in 27 at -n 2), so a third file runs in
-# the time the first two leave idle.
+# the time the first two leave idle. --no-loadscope-reorder: the files in tests/conftest.py's order, the longest first
+# (xdist's own order, by number of tests, started the longest files last).
 test: lint test-tools
-	$(BIN)/pytest -q -m "not slow and not e2e" -n 3 --dist loadfile --durations=15 tests
+	$(BIN)/pytest -q -m "not slow and not e2e" -n 3 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # ruff on every file: lint (pycodestyle, pyflakes, import order, line length 120) and `ruff format`'s style.
 # `make format` rewrites the files that the check would refuse.

@@ -102,19 +102,25 @@ def check_world_change(out: str, s: int, before: int, after: int, batch: str) ->
     assert Path(m[1]).name == f"step-{s:08d}", m[0]
 
 
-# make test runs two files at a time (pytest-xdist, `-n 2 --dist loadfile`: a file's module fixtures are built once),
-# each file whole on one worker, in collection order. These files hold most of the suite's real training runs
-# (about 10, 4, 3, 3, 3 and 2 minutes of the serial suite on 2 cores); started first, no long file is left to run
-# alone at the end.
+# make test runs three files at a time (pytest-xdist, `-n 3 --dist loadfile --no-loadscope-reorder`: a file's module
+# fixtures are built once), each file whole on one worker, in collection order: a worker takes the next file when
+# its own is down to its last two tests. Without --no-loadscope-reorder xdist orders the files by their number of
+# tests, so the files below, which hold most of the suite's real training runs in few tests, were started last
+# (test_reliability.py, the longest, after a dozen others). The order: their durations in the 21.5-minute suite at
+# -n 3 (fixtures included), longest first; started first, no long file is left to run alone at the end, and the many
+# short files fill the other workers meanwhile.
 LONGEST_FIRST = (
     "test_reliability.py",
-    "test_train.py",
+    "test_preference_train.py",
     "test_prepare.py",
-    "test_first_run.py",
+    "test_train.py",
     "test_lora.py",
+    "test_sequence_parallel.py",
+    "test_first_run.py",
     "test_tracking.py",
-    "test_run_failures.py",
     "test_contract.py",
+    "test_run_failures.py",
+    "test_progress.py",
 )
 
 
