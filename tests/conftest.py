@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,23 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path
     return subprocess.run(
         [sys.executable, "-m", "app.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_engine_script(script: str, model: Path, folder: Path, plan: list) -> dict:
+    """`script` (a test's engine program, single-process DeepSpeed on a free port) over `model`, writing under
+    `folder`, given `plan` as JSON; the dict it prints after "RESULT "."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(model), port, str(folder), json.dumps(plan)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.split("RESULT ", 1)[1])
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -7,14 +7,11 @@ the same engine keeps them in fp32."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses, run_cli, tiny_overrides
+from conftest import losses, run_cli, run_engine_script, tiny_overrides
 
 from app.config import parse
 from app.ds_config import build, check
@@ -73,12 +70,6 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 # (stage, optimizer offloaded, pure, resumed too): a pure and a mixed engine for each layout of the optimizer (ZeRO-3
 # builds its partitions as ZeRO-2 does: its mixed twin adds nothing but time), the resume on both stages; the
 # offloaded pair (DeepSpeed's CPU Adam, about 25 s more) in make test-all.
@@ -88,15 +79,7 @@ OFFLOADED = [(3, True, True, False), (3, True, False, False)]
 
 
 def run_engines(model: Path, folder: Path, plan: list[tuple]) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(model), free_port(), str(folder), json.dumps(plan)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[1],
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.split("RESULT ", 1)[1])
+    return run_engine_script(ENGINE, model, folder, plan)
 
 
 @pytest.fixture(scope="module")

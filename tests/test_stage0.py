@@ -10,15 +10,11 @@ back: -m slow).
 
 from __future__ import annotations
 
-import json
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import losses, resumed_line, run_cli, tiny_overrides
+from conftest import losses, resumed_line, run_cli, run_engine_script, tiny_overrides
 
 # Per-step loss after the resume vs the uninterrupted run at the checkpoint's stage: the stages update the same state
 # with other kernels (DeepSpeed's ZeRO optimizers, the app's fused AdamW at stage 0 with pure bf16, DeepSpeed's mixed
@@ -91,22 +87,8 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run_engines(model: Path, folder: Path, pairs: list) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(model), free_port(), str(folder), json.dumps(pairs)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[1],
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.split("RESULT ", 1)[1])
+    return run_engine_script(ENGINE, model, folder, pairs)
 
 
 # ((stage, pure bf16) of the checkpoint, (stage, pure bf16) of the redeploy). Stage 0 under DeepSpeed's mixed precision
