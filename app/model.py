@@ -520,6 +520,14 @@ def fuse_fp8_mlps(model: torch.nn.Module, compiled: bool) -> int:
     return fused
 
 
+# How `build_optimizer` groups the parameters, recorded in each checkpoint's trainer state ("decay_groups"). 2:
+# `decay_groups` by each parameter's whole shape, at every ZeRO stage. Checkpoints without the record were written by
+# layout 1, by the shape of each parameter's own tensor: the same at stages 0-2, but at stage 3 (every tensor a
+# partitioned placeholder) all in the no-decay group, and the empty decay group dropped by DeepSpeed: one group. Such a
+# checkpoint resumes at stage 3 through DeepSpeed's universal checkpoint (app.checkpoint.resuming.restore).
+DECAY_GROUPS_LAYOUT = 2
+
+
 def build_optimizer(model, cfg: TrainConfig, offloaded: bool, clips: bool = False):
     """AdamW; DeepSpeed's CPU Adam when the optimizer lives on the CPU (a torch AdamW crashes there), its moments
     in bf16 with train.pure_bf16 (torch's AdamW keeps them in the dtype of the bf16 partitions it is given).
@@ -538,15 +546,16 @@ def build_optimizer(model, cfg: TrainConfig, offloaded: bool, clips: bool = Fals
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def decay_groups(model, whole: bool = False) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
-    """The trained (name, parameter) pairs AdamW decays and those it does not (norms, biases), in the model's order:
-    `build_optimizer`'s two groups. `whole`: by each parameter's whole shape where ZeRO-3 partitioned it (`ds_shape`),
-    the groups a stage-0 optimizer had (app.checkpoint.formats names its entries by them); the optimizer itself is
-    built over the parameters as they are."""
+def decay_groups(model) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The trained (name, parameter) pairs AdamW decays and those it does not (norms, biases: fewer than 2
+    dimensions, or "norm" in the name), in the model's order: `build_optimizer`'s two groups, the same at every ZeRO
+    stage. Judged by each parameter's whole shape: under ZeRO-3 the model is built partitioned (zero.Init), each
+    parameter's own tensor an empty placeholder of 1 dimension and its shape in `ds_shape`; grouped by that
+    placeholder, every weight went undecayed at stage 3 (`DECAY_GROUPS_LAYOUT`)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            ndim = len(getattr(param, "ds_shape", param.shape)) if whole else param.ndim
+            ndim = len(getattr(param, "ds_shape", param.shape))
             (no_decay if ndim < 2 or "norm" in name.lower() else decay).append((name, param))
     return decay, no_decay
 

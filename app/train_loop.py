@@ -41,6 +41,7 @@ from app.ds_config import plain_bf16
 from app.errors import Problem
 from app.metrics import MetricsLogger, flops_per_token
 from app.model import (
+    DECAY_GROUPS_LAYOUT,
     build_optimizer,
     build_scheduler,
     calls_attention_functions,
@@ -439,6 +440,7 @@ class CheckpointManager:
             "precision": t.precision,
             "zero_stage": cfg.zero_stage,  # a resume at another stage converts (checkpoint.ResumePlan)
             "pure_bf16": t.pure_bf16 is True,  # bf16 master weights: a resume that changes it says so
+            "decay_groups": DECAY_GROUPS_LAYOUT,  # the optimizer's groups; absent: a stage-3 resume may regroup
             "experiment": cfg.experiment.name,
         }
         self.saves: list[float] = []  # seconds each save of this attempt took, from its start until it was complete

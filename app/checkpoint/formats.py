@@ -119,6 +119,25 @@ MODEL_STATES_NAMES = ("zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_m
 OPTIMIZER_STATE = Path("zero") / "optimizer_state.pt"  # the optimizer's global state in a universal folder
 
 
+def saved_groups(folder: Path) -> list[list[str]] | None:
+    """The parameter names of each flat group of the optimizer that wrote the DeepSpeed checkpoint `folder` (its `ds/`),
+    in order, as its model-states file records them (`param_shapes`, which DeepSpeed's own converters read; at stage 3
+    its sub-groups); None where it has no model-states file. Memory-mapped: only the small metadata is read."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM_SHAPES
+
+    name = next((name for name in MODEL_STATES_NAMES if (folder / name).is_file()), None)
+    if name is None:
+        return None
+    states = torch.load(folder / name, map_location="cpu", weights_only=False, mmap=True)
+    return [list(shapes) for shapes in states.get(PARAM_SHAPES) or []]
+
+
+def engine_groups(engine) -> list[list[str]]:
+    """What `saved_groups` reads from a checkpoint, for `engine`'s optimizer as it is: the groups it would save."""
+    return [list(shapes) for shapes in engine._get_zero_param_shapes()]
+
+
 def complete_universal(folder: Path, groups: int = 1) -> list[str]:
     """Makes a converted universal folder loadable at any ZeRO stage, whichever stage wrote the checkpoint, by an
     optimizer of `groups` parameter groups. DeepSpeed's converter writes a stage-3 checkpoint in the layout its
@@ -127,7 +146,8 @@ def complete_universal(folder: Path, groups: int = 1) -> list[str]:
     rank 0's, stages 0-2 for the single one: a hard link, else a copy); each parameter's states as {"param": tensor}
     (stage 3 writes bare tensors, which stages 0-2 cannot index; stage 3 reads both); the Adam step as `step.pt`
     beside them (stages 0-2) and in the optimizer's global state (stage 3 reads it there); the parameter groups
-    (stages 0-2 read group i's parameters only where the saved state has a group i; ZeRO-3 saves one); and the
+    (stages 0-2 read group i's parameters only where the saved state has a group i; a ZeRO-3 checkpoint of the app's
+    first grouping, app.model.DECAY_GROUPS_LAYOUT, has one); and the
     DeepSpeed version, which stages 0-2 assert. Every file is written under a temporary name and renamed. Returns
     what it added, for the log."""
     present = [name for name in MODEL_STATES_NAMES if (folder / name).is_file()]
@@ -181,9 +201,9 @@ def _complete_optimizer_states(folder: Path, model_states: Path, groups: int) ->
         added.append(f"{DS_VERSION} {optimizer[DS_VERSION]} in {OPTIMIZER_STATE}")
         changed = True
     if len(optimizer[PARAM_GROUPS]) < groups:
-        # Stages 0-2 load the parameters of group i only where the saved state has a group i, and ZeRO-3 saves its
-        # groups as one: repeated, every group of the loading optimizer is read (the app then puts back each group's
-        # own weight decay: app.checkpoint.resuming.restore).
+        # Stages 0-2 load the parameters of group i only where the saved state has a group i, and a ZeRO-3 checkpoint
+        # of the first grouping (app.model.DECAY_GROUPS_LAYOUT) has one: repeated, every group of the loading
+        # optimizer is read (the app then puts back each group's own weight decay: app.checkpoint.resuming.restore).
         optimizer[PARAM_GROUPS] += [optimizer[PARAM_GROUPS][-1]] * (groups - len(optimizer[PARAM_GROUPS]))
         added.append(f"{groups} parameter groups in {OPTIMIZER_STATE}")
         changed = True
@@ -272,7 +292,7 @@ def load_universal_stage0(engine, folder: Path) -> None:
             index += 1
     inner.load_state_dict({"state": state, PARAM_GROUPS: inner.state_dict()[PARAM_GROUPS]})
     saved_groups = torch.load(folder / OPTIMIZER_STATE, map_location="cpu", weights_only=False)[PARAM_GROUPS]
-    for g, group in enumerate(inner.param_groups):  # ZeRO-3 saves its groups as one: the last serves for the rest
+    for g, group in enumerate(inner.param_groups):  # fewer saved groups (old ZeRO-3): the last serves for the rest
         saved = saved_groups[min(g, len(saved_groups) - 1)]
         group.update({key: saved[key] for key in ("lr", "initial_lr") if key in saved})
     counters = torch.load(folder / MODEL_STATES_NAMES[1], map_location="cpu", weights_only=False)

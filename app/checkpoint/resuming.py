@@ -334,32 +334,42 @@ def resume(engine, registered, run_dir: Path, rank: int, world: int) -> dict[str
 def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
     """Load engine, optimizer and scheduler states; return the trainer state saved with them.
 
-    A checkpoint written by another number of workers or at another ZeRO stage is converted once to DeepSpeed's
-    universal checkpoint format (into `<checkpoint>/universal/`) and loaded from there. If loading fails, the checkpoint
-    is marked unloadable so that the next attempt (Ray's max_failures) or the next deploy falls back to the previous
-    complete checkpoint instead of failing the same way again."""
+    A checkpoint written by another number of workers, at another ZeRO stage, or with the optimizer's parameters
+    grouped otherwise (`_regrouped`) is converted once to DeepSpeed's universal checkpoint format (into
+    `<checkpoint>/universal/`) and loaded from there. If loading fails, the checkpoint is marked unloadable so that the
+    next attempt (Ray's max_failures) or the next deploy falls back to the previous complete checkpoint instead of
+    failing the same way again (not after a conversion: the checkpoint as written is not at fault)."""
     state = read_state(path)
     saved_world = state.get("world_size") or world
     saved_stage = state.get("zero_stage", engine.zero_optimization_stage())
     restaged = saved_stage != engine.zero_optimization_stage()
-    universal = saved_world != world or restaged
-    tag = _universal_tag(engine, path, state, rank, world) if universal else TAG
-    # Another stage may group the optimizer's parameters otherwise (ZeRO-3 flattens them): the loaded groups'
-    # settings would land on the wrong groups, and the scheduler's per-group lists would not fit. The config's
-    # weight decay per group stays, and the scheduler's position is loaded fitted to this run's groups.
+    regrouped = not restaged and _regrouped(engine, path, state)
+    universal = saved_world != world or restaged or regrouped
+    tag = _universal_tag(engine, path, state, rank, world, regrouped) if universal else TAG
+    # The loaded groups' settings may land on other groups: ZeRO-3 gives every group the first saved one's, and another
+    # stage or layout groups the parameters otherwise. The config's weight decay per group stays, and where the groups
+    # differ, the scheduler's position is loaded fitted to this run's groups (its per-group lists would not fit).
     decay = [group.get("weight_decay") for group in engine.optimizer.param_groups]
+    refit = restaged or regrouped
     try:
-        _load(engine, path, tag, universal, restaged)
-        if restaged:
+        _load(engine, path, tag, universal, refit)
+        if universal:
             for group, weight_decay in zip(engine.optimizer.param_groups, decay):
                 group["weight_decay"] = weight_decay
-            if engine.lr_scheduler is not None:
-                groups = len(engine.optimizer.param_groups)
-                engine.lr_scheduler.load_state_dict(formats.scheduler_state(path / tag, groups))
+        if refit and engine.lr_scheduler is not None:
+            groups = len(engine.optimizer.param_groups)
+            engine.lr_scheduler.load_state_dict(formats.scheduler_state(path / tag, groups))
     except Exception as exc:
-        raise _load_error(exc, path, tag, rank, _written_with(state) if universal else None) from exc
+        raise _load_error(exc, path, tag, rank, _written_with(state, regrouped) if universal else None) from exc
     if universal and rank == 0 and restaged:
         log.info(_stage_change_line(engine, path, tag, state))
+    if universal and rank == 0 and regrouped:
+        log.info(
+            f"{path.name} was written at ZeRO stage 3 before the optimizer's parameter groups were fixed (every weight "
+            f"in the group without weight decay, so train.weight_decay did nothing): loaded it through DeepSpeed's "
+            f"universal checkpoint format ({path / tag}) into this run's groups, weights, Adam moments, step count and "
+            f"schedule kept; {_weight_decay(decay)}"
+        )
     if universal and rank == 0 and saved_world != world:
         log.info(
             f"{path.name} was written by {saved_world} workers and this run has {world}: loaded it through "
@@ -373,7 +383,28 @@ def restore(engine, path: Path, rank: int, world: int) -> dict[str, Any]:
     return state
 
 
-def _load(engine, path: Path, tag: str, universal: bool, restaged: bool) -> None:
+def _regrouped(engine, path: Path, state: dict[str, Any]) -> bool:
+    """Whether a ZeRO-3 checkpoint resumed at stage 3 has other optimizer groups than this run's, so that DeepSpeed's
+    load, which restores each group's flat partition as it was saved, cannot take it. Checkpoints without the record of
+    app.model.DECAY_GROUPS_LAYOUT were written with one group where the model was built partitioned (every weight
+    undecayed); a LoRA run's adapters, built whole, had this run's groups: judged from the checkpoint's own groups."""
+    from app.model import DECAY_GROUPS_LAYOUT
+
+    if state.get("decay_groups") == DECAY_GROUPS_LAYOUT or engine.zero_optimization_stage() != 3:
+        return False
+    saved = formats.saved_groups(path / TAG)  # None: no model-states file, which DeepSpeed's own load then reports
+    return saved is not None and saved != formats.engine_groups(engine)
+
+
+def _weight_decay(decay: list) -> str:
+    """What the new groups change, by the weight decay of the decayed group as the config sets it (the other's: 0)."""
+    rate = max((d for d in decay if d is not None), default=0.0)
+    if not rate:
+        return "train.weight_decay is 0, so the updates are as before"
+    return f"train.weight_decay={rate:g} applies to the weights from this step on"
+
+
+def _load(engine, path: Path, tag: str, universal: bool, refit: bool) -> None:
     """DeepSpeed's load, or at stage 0 from a universal folder (which DeepSpeed cannot read there), the app's."""
     if universal and engine.zero_optimization_stage() == 0:
         formats.load_universal_stage0(engine, path / tag)
@@ -383,7 +414,7 @@ def _load(engine, path: Path, tag: str, universal: bool, restaged: bool) -> None
             str(path),
             tag=tag,
             load_optimizer_states=True,
-            load_lr_scheduler_states=not restaged,
+            load_lr_scheduler_states=not refit,  # fitted to this run's groups (restore)
             load_module_strict=not lora.is_lora(engine.module),  # LoRA: the adapters only (app.lora)
         )
     if load_path is None:
@@ -413,7 +444,7 @@ def _stage_change_line(engine, path: Path, tag: str, state: dict[str, Any]) -> s
     return line + f"; precision changed: master weights {was} -> {now} ({how})"
 
 
-def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: int) -> str:
+def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: int, regrouped: bool = False) -> str:
     """Convert (rank 0, once) and return the tag to load; the engine must keep the checkpoint's global batch."""
     import torch.distributed as dist
 
@@ -434,8 +465,9 @@ def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: 
         tag = to_universal(path, rank, len(engine.optimizer.param_groups), names)
     except Exception as exc:
         raise CheckpointError(
-            f"converting {path} (written with {_written_with(state)}) to DeepSpeed's universal checkpoint format "
-            f"failed: {type(exc).__name__}: {exc}. Deploy with {_written_with(state)} to resume without conversion"
+            f"converting {path} (written with {_written_with(state, regrouped)}) to DeepSpeed's universal checkpoint "
+            f"format failed: {type(exc).__name__}: {exc}. Deploy with {_written_with(state, regrouped)} to resume "
+            "without conversion"
         ) from exc
     finally:
         if dist.is_initialized():
@@ -445,11 +477,13 @@ def _universal_tag(engine, path: Path, state: dict[str, Any], rank: int, world: 
     return tag
 
 
-def _written_with(state: dict[str, Any]) -> str:
-    """The workers and ZeRO stage a checkpoint was written with, as a deploy would set them."""
+def _written_with(state: dict[str, Any], regrouped: bool = False) -> str:
+    """The workers and ZeRO stage a checkpoint was written with, as a deploy would set them; `regrouped`: and the
+    app's version whose optimizer grouped the parameters as it does (before app.model.DECAY_GROUPS_LAYOUT 2)."""
     stage = state.get("zero_stage")
     workers = f"scaling.num_workers={state.get('world_size', '?')}"
-    return workers + (f" and deepspeed.zero_optimization.stage={stage}" if stage is not None else "")
+    written = workers + (f" and deepspeed.zero_optimization.stage={stage}" if stage is not None else "")
+    return written + (" on the app's image that wrote it (one optimizer group at ZeRO-3)" if regrouped else "")
 
 
 def _load_error(exc: Exception, path: Path, tag: str, rank: int, universal_from: str | None) -> CheckpointError:
@@ -474,7 +508,7 @@ def _stage0_names(engine) -> list[list[str]]:
     parameters (DeepSpeed drops an empty group)."""
     from app.model import decay_groups
 
-    return [[name for name, _ in group] for group in decay_groups(engine.module, whole=True) if group]
+    return [[name for name, _ in group] for group in decay_groups(engine.module) if group]
 
 
 def to_universal(path: Path, rank: int, groups: int = 1, stage0_names: list[list[str]] | None = None) -> str:
