@@ -8,8 +8,8 @@ are the values `datasets` gives: parquet is cast to its first file's features, J
 `datasets` infers from the split's first chunk (10 MB of its first file) and cast as datasets casts later chunks.
 Left to `datasets` in the driver (app.data.sources.load_split), each for a reason: hub names and saved datasets
 (save_to_disk folders: no files of rows), csv/tsv/text and compressed files (no cheap row count or seek), a file
-that is one JSON document or whose first chunk `datasets` would re-encode as JSON strings (mixed struct types), and
-data.eval_fraction (its random permutation would make every unit read the whole split).
+that is one JSON document or whose first chunk `datasets` would re-encode as JSON strings (mixed struct types).
+data.eval_fraction is applied to the planned row numbers (app.data.pipeline.holdout), as a mixture's choice is.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _remote(fn, calls: list[tuple]) -> list:
 
 def plan(d: DataConfig, expression: str) -> Ranged | None:
     """The split `expression` of a source as a Ranged, counted by Ray tasks; None for what `datasets` reads."""
-    if d.eval_fraction or not is_local(d.dataset) or saved_dataset(Path(os.path.expanduser(d.dataset))):
+    if not is_local(d.dataset) or saved_dataset(Path(os.path.expanduser(d.dataset))):
         return None
     by_split = split_files(d.dataset, d.config_name)
     names = split_names(expression)
