@@ -1,11 +1,160 @@
-"""data.eval_fraction's holdout (app.data.pipeline.holdout): rows picked by the seed and the row count only."""
+"""What app.data.ranges reads beyond plain JSON Lines and parquet (plain-text and compressed files, save_to_disk
+folders, data.eval_fraction): planned by row range, the driver reading no row with `datasets`, and prepared to the
+bytes the driver's `datasets` reading gives, at any parallelism; a bad row named by its file and line."""
 
 from __future__ import annotations
 
-import numpy as np
-from test_prepare import chat_config
+import bz2
+import gzip
+import json
+import lzma
+from pathlib import Path
 
-from app.data import pipeline
+import numpy as np
+import pytest
+from conftest import CORPUS
+from test_prepare import CHAT, by_datasets, chat_config, config, hashes
+
+from app.config import Problem
+from app.data import checks, pipeline, store
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def no_driver_reading(monkeypatch) -> None:
+    """The driver may not read a split with `datasets` (load_dataset / load_from_disk, app.data.sources.load_split)."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the driver read a split with datasets")
+
+    monkeypatch.setattr(pipeline, "load_split", refused)
+
+
+def text_files(folder: Path) -> Path:
+    """The news texts as two .txt files, one gzip-compressed: a BOM, every line ending (\\n, \\r\\n, a lone \\r),
+    empty lines and a last line without an ending."""
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()[:700]]
+    endings = ["\n", "\r\n", "\r", "\n\n"]
+    body = "".join(t + endings[n % 4] for n, t in enumerate(texts))
+    folder.mkdir()
+    (folder / "train-1.txt").write_bytes(b"\xef\xbb\xbf" + body[: len(body) // 2].encode())
+    (folder / "train-2.txt.gz").write_bytes(gzip.compress(body[len(body) // 2 :].rstrip().encode()))
+    return folder
+
+
+def compressed_chat(folder: Path) -> Path:
+    """The conversations as JSON Lines in a .gz, a .bz2 and an .xz file (blank lines and CRLF in one)."""
+    lines = CHAT.read_bytes().splitlines()
+    folder.mkdir()
+    (folder / "train-1.jsonl.gz").write_bytes(gzip.compress(b"\n".join(lines[:250]) + b"\n\n"))
+    (folder / "train-2.jsonl.bz2").write_bytes(bz2.compress(b"\r\n".join(lines[250:400]) + b"\r\n"))
+    (folder / "train-3.jsonl.xz").write_bytes(lzma.compress(b"\n".join(lines[400:])))
+    return folder
+
+
+def saved_chat(folder: Path) -> Path:
+    """The conversations as a DatasetDict saved to disk, its train split in three Arrow files."""
+    import datasets
+
+    rows = datasets.load_dataset("json", data_files=str(CHAT), split="train")
+    splits = datasets.DatasetDict({"train": rows.select(range(520)), "test": rows.select(range(520, 600))})
+    splits.save_to_disk(str(folder), num_shards={"train": 3, "test": 1})
+    return folder
+
+
+@pytest.mark.parametrize("case", ["text", "compressed_eval_fraction", "saved"])
+def test_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
+    tiny_model, tmp_path, monkeypatch, ray_cluster, case
+):
+    """Units of 150 rows, several a file and some across two: 1 and 2 Ray Data actors, with no split read by the
+    driver, write the files that the driver's `datasets` reading writes, with the same manifest counts."""
+    monkeypatch.setattr(pipeline, "UNIT_ROWS", 150)
+    if case == "text":
+        data = str(text_files(tmp_path / "txt"))
+        make = lambda **f: config(tmp_path, tiny_model, dataset=data, **f)  # noqa: E731
+    elif case == "saved":
+        data = str(saved_chat(tmp_path / "saved"))
+        make = lambda **f: chat_config(tmp_path, tiny_model, dataset=data, split="train[10:]", eval_split="test", **f)  # noqa: E731
+    else:
+        data = str(compressed_chat(tmp_path / "gz"))
+        make = lambda **f: chat_config(tmp_path, tiny_model, dataset=data, eval_fraction=0.1, **f)  # noqa: E731
+    assert pipeline.ranges.plan(make().data, "train") is not None
+    found, manifests = [], []
+    with monkeypatch.context() as m:
+        no_driver_reading(m)
+        for cpus in (1, 2):
+            folder, manifest = pipeline.ensure(make(num_proc=cpus))
+            found.append(hashes(folder))
+            manifests.append(manifest)
+            store.remove_tree(folder)
+    assert len(manifests[0]["splits"]["train"]["units"]) > 2 and len(found[0]) > 3
+    folder, old = by_datasets(monkeypatch, make(num_proc=2))
+    assert found[0] == found[1] == hashes(folder)
+    assert old["sources"] == manifests[0]["sources"]
+    for name, split in manifests[0]["splits"].items():
+        assert {k: v for k, v in split.items() if k != "units"} == {
+            k: v for k, v in old["splits"][name].items() if k != "units"
+        }
+
+
+@pytest.mark.parametrize("kind", ["text", "compressed", "saved"])
+def test_a_bad_row_beyond_the_sample_is_named_by_its_file_and_line(
+    tiny_model, tmp_path, monkeypatch, ray_cluster, kind
+):
+    """Row 434 (beyond the checks' 50) is not UTF-8 (text, in a .gz), has no assistant turn (JSON Lines in a .bz2
+    after blank lines; a saved dataset's third Arrow file): the preparation ends with its file and line or row."""
+    monkeypatch.setattr(pipeline, "UNIT_ROWS", 100)
+    monkeypatch.setattr(checks, "SAMPLE_ROWS", 50)
+    no_driver_reading(monkeypatch)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    if kind == "text":
+        lines = [json.loads(line)["text"].encode() for line in CORPUS.read_text().splitlines()[:600]]
+        lines[433] = b"caf\xe9"  # Latin-1
+        (folder / "train-1.txt").write_bytes(b"\n".join(lines[:300]) + b"\n")
+        bad = folder / "train-2.txt.gz"
+        bad.write_bytes(gzip.compress(b"\r\n".join(lines[300:])))
+        cfg = config(tmp_path, tiny_model, dataset=str(folder), num_proc=2)
+        value, message = str(bad), "line 134 is not UTF-8"
+    else:
+        rows = CHAT.read_text().splitlines()
+        rows[433] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        (folder / "train-1.jsonl").write_text("\n".join(rows[:300]) + "\n")
+        bad = folder / "train-2.jsonl.bz2"
+        bad.write_bytes(bz2.compress(("\n\n" + "\n".join(rows[300:]) + "\n").encode()))
+        value, message = f"{bad} line {433 - 300 + 3}", "has no assistant turn"
+        if kind == "saved":
+            from app.data import saved
+
+            dataset = saved_chat_from(folder, tmp_path / "saved")
+            files = saved.files_of(dataset / "train")
+            starts = np.cumsum([0] + [saved.count(f) for f in files])
+            at = int(np.searchsorted(starts, 433, side="right")) - 1
+            folder, value = dataset, f"{files[at]} row {433 - starts[at] + 1}"
+        cfg = chat_config(tmp_path, tiny_model, dataset=str(folder), num_proc=2)
+    assert pipeline.ranges.plan(cfg.data, "train") is not None
+    with pytest.raises(Problem) as caught:
+        pipeline.ensure(cfg)
+    if kind == "text":
+        assert caught.value.value == value and caught.value.message.startswith(message), caught.value
+    else:
+        assert caught.value.value == value and message in caught.value.message, caught.value
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []
+
+
+def saved_chat_from(folder: Path, to: Path) -> Path:
+    import datasets
+
+    rows = datasets.load_dataset(str(folder), split="train")
+    datasets.DatasetDict({"train": rows}).save_to_disk(str(to), num_shards={"train": 3})
+    return to
 
 
 def test_the_held_out_rows_depend_on_the_seed_and_the_rows_only(tiny_model, tmp_path):

@@ -6,12 +6,12 @@ format, seq_length, packing, train_on_prompt, the splits, the preparation code's
 every experiment over the same data and tokenizer shares one prepared dataset under `<storage>/prepared/<key>/`.
 A split is cut into units of UNIT_ROWS consecutive rows (app.data.encode); each unit is one row of a Ray Data
 dataset, encoded by an actor that loads the tokenizer once and writes the unit's arrays itself, so the bytes do
-not depend on how many CPUs, nodes or Ray Data blocks did the work. Local JSON Lines and parquet files are not read
-here: Ray tasks count their rows, the driver plans each unit as (file, rows) descriptors (the split expression,
-data.eval_fraction's holdout and a mixture's choice applied to row numbers) and the actor reads its own rows
-(app.data.ranges), naming a bad row by the file and line of its descriptor. What app.data.ranges leaves to
-`datasets` (hub names, saved datasets, csv/tsv/text, compressed files...) is read here and each unit's rows are
-sent as Arrow.
+not depend on how many CPUs, nodes or Ray Data blocks did the work. Local JSON Lines and text files (compressed or
+not), parquet files and save_to_disk folders are not read here: Ray tasks count their rows, the driver plans each
+unit as (file, rows) descriptors (the split expression, data.eval_fraction's holdout and a mixture's choice applied
+to row numbers) and the actor reads its own rows (app.data.ranges), naming a bad row by the file and line of its
+descriptor. What app.data.ranges leaves to `datasets` (hub names, csv/tsv, a saved dataset with a format...) is read
+here (app.data.sources.load_split) and each unit's rows are sent as Arrow.
 The folder is written under a temporary name and renamed once its manifest is in: a preparation that fails or is
 killed leaves nothing a later run reads.
 """
