@@ -175,3 +175,16 @@ def test_the_held_out_rows_depend_on_the_seed_and_the_rows_only(tiny_model, tmp_
         assert pipeline.key_of(fraction) != monkey
     finally:
         pipeline.HOLDOUT = rule
+
+
+def test_a_file_the_count_cannot_read_is_left_to_datasets(tmp_path):
+    """A .gz that is not gzip, an Arrow file cut short: not planned, so `datasets` reads them and names the error."""
+    from app.config import DataConfig
+
+    bad = tmp_path / "train.jsonl.gz"
+    bad.write_bytes(b'{"text": "not gzip"}\n')
+    assert pipeline.ranges.plan(DataConfig(dataset=str(bad)), "train") is None
+    saved = saved_chat(tmp_path / "saved")
+    arrow = next((saved / "train").glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:300])
+    assert pipeline.ranges.plan(DataConfig(dataset=str(saved), format="chat"), "train") is None

@@ -112,9 +112,18 @@ def schema_of(first: str, kind: str):
     return Features.from_arrow_schema(table.schema).arrow_schema
 
 
-def survey(file: str, kind: str, first: bool) -> tuple[FileRows, Any]:
-    """A file's count and, for the split's first file, the split's schema (one Ray task a file)."""
-    return count(file, kind), schema_of(file, kind) if first else None
+def survey(file: str, kind: str, first: bool) -> tuple[FileRows | None, Any]:
+    """A file's count and, for the split's first file, the split's schema (one Ray task a file); (None, None) for a
+    file it cannot read (damaged, not the compression its name says), which `datasets` then reads and names."""
+    import lzma
+    import zlib
+
+    import pyarrow as pa
+
+    try:
+        return count(file, kind), schema_of(file, kind) if first else None
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error, pa.ArrowException):
+        return None, None
 
 
 def _remote(fn, calls: list[tuple]) -> list:
@@ -149,7 +158,7 @@ def plan(d: DataConfig, expression: str) -> Ranged | None:
     kind = kinds.pop()
     surveyed = _remote(survey, [(f, kind, n == 0) for n, f in enumerate(files)])
     counted, schema = [c for c, _ in surveyed], surveyed[0][1]
-    if schema is None:
+    if schema is None or None in counted:
         return None
     from datasets.arrow_reader import ReadInstruction
 
@@ -185,7 +194,7 @@ def _plan_saved(path: Path, expression: str) -> Ranged | None:
     files = saved.files_of(folder)
     surveyed = _remote(survey, [(f, "arrow", n == 0) for n, f in enumerate(files)])
     counted, schema = [c for c, _ in surveyed], surveyed[0][1]
-    if schema is None:
+    if schema is None or None in counted:
         return None
     from app.data.sources import slice_of
 
