@@ -17,6 +17,7 @@ from test_prepare import CHAT, by_datasets, chat_config, config, hashes
 
 from app.config import Problem
 from app.data import checks, pipeline, store
+from app.data.files import open_data
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +189,37 @@ def test_a_file_the_count_cannot_read_is_left_to_datasets(tmp_path):
     arrow = next((saved / "train").glob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[:300])
     assert pipeline.ranges.plan(DataConfig(dataset=str(saved), format="chat"), "train") is None
+
+
+@pytest.mark.parametrize("name", ["chat.jsonl", "news.txt"])
+def test_units_of_a_compressed_file_read_in_any_order_are_its_rows(tmp_path, monkeypatch, name):
+    """Units of a .gz read one after the other open it once (each goes on where the last stopped), and in any order
+    (as actors get them, with holes where rows are held out) read the rows and lines of the uncompressed file."""
+    from app.config import DataConfig
+    from app.data import files, ranges
+
+    monkeypatch.setattr(ranges, "STRIDE", 7)
+    if name == "news.txt":
+        body = text_files(tmp_path / "txt").joinpath("train-1.txt").read_bytes()
+    else:
+        body = b"".join(
+            line + b"\n\n" * (n % 5 == 0) + b"\r\n" for n, line in enumerate(CHAT.read_bytes().splitlines())
+        )
+    plain, packed = tmp_path / name, tmp_path / f"{name}.gz"
+    plain.write_bytes(body)
+    packed.write_bytes(gzip.compress(body))
+    fmt = "text" if name == "news.txt" else "chat"
+    a, b = (ranges.plan(DataConfig(dataset=str(f), format=fmt), "train") for f in (plain, packed))
+    opened = []
+    monkeypatch.setattr(files, "open_data", lambda f: opened.append(f) or open_data(f))
+    in_order = [ranges.read(b.unit(slice(lo, lo + 40)), b.schema)[0] for lo in range(0, len(b), 40)]
+    assert opened == [str(packed)] and in_order == [
+        ranges.read(a.unit(slice(lo, lo + 40)), a.schema)[0] for lo in range(0, len(a), 40)
+    ]
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        picked = np.sort(rng.choice(len(a), int(rng.integers(1, 80)), replace=False))
+        lo = int(rng.integers(0, len(picked)))
+        rows, places = ranges.read(b.select(picked).unit(slice(lo, lo + 25)), b.schema)
+        want, where = ranges.read(a.select(picked).unit(slice(lo, lo + 25)), a.schema)
+        assert rows == want and places == [p.replace(str(plain), str(packed)) for p in where], trial

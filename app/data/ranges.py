@@ -33,10 +33,10 @@ import numpy as np
 
 from app.config import DataConfig
 from app.data import chat, saved, textrows
-from app.data.files import is_local, kind_of, open_data, saved_dataset, split_files, split_names
+from app.data.files import is_local, kind_of, lines_from, open_data, saved_dataset, split_files, split_names
 from app.errors import Problem
 
-STRIDE = 1024  # a JSON Lines file's rows between two anchors (row, byte offset, line) its count records
+STRIDE = 1024  # a JSON Lines or text file's rows between two anchors (row, byte offset, line) its count records
 PARQUET_BATCH = 1024  # rows decoded at a time from a parquet row group, up to a unit's last row
 JSON_CHUNK = 10 << 20  # datasets' json chunksize: its first chunk's schema is the split's
 
@@ -308,11 +308,11 @@ def _parquet(part: dict[str, Any], schema):
 
 def _json(part: dict[str, Any], schema):
     wanted, lines, numbers = expand(part["rows"]), [], []
-    row, offset, number = part["anchor"]
     take = set(wanted)
-    with open_data(part["file"]) as f:  # a compressed file is decompressed up to the offset (no seek in its bytes)
-        f.seek(offset)
-        for number, line in enumerate(f, number):
+    with lines_from(part["file"], part["anchor"], wanted[0]) as (f, position):
+        row, number = position[0], position[1] - 1
+        for line in f:
+            number += 1
             if not line.strip():
                 continue
             if row in take:  # the BOM datasets strips (and pyarrow skips) would be mid-data once lines are joined
@@ -321,6 +321,7 @@ def _json(part: dict[str, Any], schema):
             row += 1
             if row > wanted[-1]:
                 break
+        position[:] = [row, number + 1]  # where the next line starts, for the next unit of a compressed file
     return _parse(part["file"], lines, numbers, schema), [f"{part['file']} line {n}" for n in numbers]
 
 

@@ -46,12 +46,11 @@ def count(file: str, stride: int) -> tuple[int, list[tuple[int, int, int]]]:
 def read(part: dict[str, Any], wanted: list[int]) -> tuple[list[str], list[str]]:
     """The part's rows (ascending row numbers of its file), from its anchor on, and where each came from ('FILE line
     N': rows are lines); a row that is not UTF-8 ends the preparation with its file and line."""
-    from app.data.files import open_data
+    from app.data.files import lines_from
 
     file, take, values, places = part["file"], set(wanted), [], []
-    row, offset, _ = part["anchor"]
-    with open_data(file) as f:  # a compressed file is decompressed up to the offset (no seek in its bytes)
-        f.seek(offset)
+    with lines_from(file, part["anchor"], wanted[0]) as (f, position):  # a compressed file: app.data.files
+        row = position[0]
         for line in f:
             for found in rows_of(line):
                 if row in take:
@@ -64,4 +63,5 @@ def read(part: dict[str, Any], wanted: list[int]) -> tuple[list[str], list[str]]
                 row += 1
             if row > wanted[-1]:
                 break
+        position[:] = [row, row + 1]
     return values, places
