@@ -9,9 +9,11 @@ with data.eval_fraction held out and a mixture's choice applied to the planned r
 rows are the values `datasets` gives: parquet is cast to its first file's features, JSON Lines parsed against the
 schema `datasets` infers from the split's first chunk (10 MB of its first file) and cast as datasets casts later
 chunks, text is a `text` column of strings. A compressed file cannot be seeked: its count is one Ray task that
-decompresses it whole, and each unit decompresses it from its start up to its own rows (skipping what comes before
-unparsed), so a unit's rows, and so its bytes, are those of the uncompressed file whatever the parallelism, at the
-cost of a file's later units decompressing its earlier part again.
+decompresses it whole, and each unit decompresses it up to its own rows (skipping what comes before unparsed), so
+a unit's rows, and so its bytes, are those of the uncompressed file whatever the parallelism; an actor keeps the
+file open where its last unit ended (app.data.files.lines_from), so the run of consecutive units Ray Data gives it
+decompresses the file once, and only a unit behind the handle starts from the file's start again. (Whole-file
+units would have cut the split elsewhere than every 4,096 rows: other packing groups, other bytes.)
 Left to `datasets` in the driver (app.data.sources.load_split), each for a reason: hub names (no local files to
 count: the hub's download and cache are `datasets`' own), csv/tsv (pandas reads them in chunks of 10,000 rows
 whose column types each chunk infers: a unit would need its chunk's types, which only parsing from the file's start
