@@ -223,3 +223,22 @@ def test_units_of_a_compressed_file_read_in_any_order_are_its_rows(tmp_path, mon
         rows, places = ranges.read(b.select(picked).unit(slice(lo, lo + 25)), b.schema)
         want, where = ranges.read(a.select(picked).unit(slice(lo, lo + 25)), a.schema)
         assert rows == want and places == [p.replace(str(plain), str(packed)) for p in where], trial
+
+
+def test_an_experiment_that_started_before_the_holdout_rule_resumes_on_its_prepared_dataset(tiny_model, tmp_path):
+    """Its record names the key its config had without the rule (train_test_split's rows): its runs read that one,
+    nothing is prepared; an experiment without such a record prepares the current key."""
+    from app import driver
+    from app.data.manifest import EXPERIMENT_RECORD
+
+    cfg = chat_config(tmp_path, tiny_model, eval_fraction=0.1, split="train[:200]")
+    folder, _ = pipeline.ensure(cfg)
+    fields = pipeline.key_fields(cfg)
+    del fields["holdout"]
+    earlier = folder.rename(folder.with_name(pipeline.hash_of(fields)))  # as the earlier code named it
+    cfg.experiment_dir.mkdir(parents=True)
+    (cfg.experiment_dir / EXPERIMENT_RECORD).write_text(json.dumps({"prepared": str(earlier)}))
+    assert driver.data_for(cfg) == {"prepared": str(earlier)} and not folder.exists()
+    (cfg.experiment_dir / EXPERIMENT_RECORD).unlink()
+    assert driver.data_for(cfg) == {"prepared": str(folder)} and folder.exists()
+    assert json.loads((cfg.experiment_dir / EXPERIMENT_RECORD).read_text()) == {"prepared": str(folder)}

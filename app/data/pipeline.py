@@ -35,7 +35,7 @@ from app.config import DataConfig, ModelConfig, TrainingConfig
 from app.data import chat, pairs, ranges, tokens
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
 from app.data.files import is_local, saved_dataset, split_files, split_names
-from app.data.manifest import MANIFEST, read_manifest, summary
+from app.data.manifest import EXPERIMENT_RECORD, MANIFEST, read_manifest, summary
 from app.data.sources import format_of, load_split, row_location
 from app.data.units import remove_tree, write_unit
 from app.errors import Problem
@@ -103,7 +103,27 @@ def key_fields(cfg: TrainingConfig) -> dict[str, Any]:
 
 
 def key_of(cfg: TrainingConfig) -> str:
-    return hashlib.sha256(json.dumps(key_fields(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    return hash_of(key_fields(cfg))
+
+
+def hash_of(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def started_on(cfg: TrainingConfig) -> Path | None:
+    """The prepared dataset this experiment's runs read under the key its config had before the holdout rule was in
+    the key (data.eval_fraction's rows were then datasets' train_test_split's): its resume keeps reading it, so the
+    exact-batch resume sees the blocks it started on. None for a config without a fraction, a new experiment, or
+    one that reads the current key."""
+    fields = key_fields(cfg)
+    if "holdout" not in fields:
+        return None
+    del fields["holdout"]
+    try:
+        recorded = Path(json.loads((cfg.experiment_dir / EXPERIMENT_RECORD).read_text())["prepared"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return recorded if recorded.name == hash_of(fields) and read_manifest(recorded) is not None else None
 
 
 def folder_of(cfg: TrainingConfig) -> Path:
