@@ -16,7 +16,7 @@ from conftest import CORPUS
 from test_prepare import CHAT, by_datasets, chat_config, config, hashes
 
 from app.config import Problem
-from app.data import checks, pipeline, store
+from app.data import checks, files, pipeline, store
 from app.data.files import open_data
 
 
@@ -92,6 +92,7 @@ def test_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
         no_driver_reading(m)
         for cpus in (1, 2):
             folder, manifest = pipeline.ensure(make(num_proc=cpus))
+            assert not files._kept  # the driver closed the compressed files it read (the first row)
             found.append(hashes(folder))
             manifests.append(manifest)
             store.remove_tree(folder)
@@ -196,7 +197,7 @@ def test_units_of_a_compressed_file_read_in_any_order_are_its_rows(tmp_path, mon
     """Units of a .gz read one after the other open it once (each goes on where the last stopped), and in any order
     (as actors get them, with holes where rows are held out) read the rows and lines of the uncompressed file."""
     from app.config import DataConfig
-    from app.data import files, ranges
+    from app.data import ranges
 
     monkeypatch.setattr(ranges, "STRIDE", 7)  # counted here, not by Ray tasks (whose STRIDE is the module's)
     monkeypatch.setattr(ranges, "_remote", lambda fn, calls: [fn(*call) for call in calls])

@@ -141,6 +141,13 @@ def lines_from(file: str, anchor: tuple[int, int, int], first: int) -> Iterator[
         _kept.pop(next(iter(_kept)))[0].close()
 
 
+def close_kept() -> None:
+    """Closes the compressed files lines_from keeps open (the driver's, once a preparation is done: a decompressor
+    holds its window, up to tens of MB for xz, and the driver goes on to train)."""
+    while _kept:
+        _kept.popitem()[1][0].close()
+
+
 def saved_dataset(path: Path) -> bool:
     """A folder written by `datasets`' save_to_disk (a Dataset or a DatasetDict), which is read whole, not by file."""
     return path.is_dir() and ((path / "state.json").exists() or (path / "dataset_dict.json").exists())

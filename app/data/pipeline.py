@@ -34,7 +34,7 @@ from app import faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
 from app.data import chat, pairs, ranges, tokens
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
-from app.data.files import is_local, saved_dataset, split_files, split_names
+from app.data.files import close_kept, is_local, saved_dataset, split_files, split_names
 from app.data.manifest import EXPERIMENT_RECORD, MANIFEST, read_manifest, summary
 from app.data.sources import format_of, load_split, row_location
 from app.data.units import remove_tree, write_unit
@@ -244,6 +244,8 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
     except BaseException:
         remove_tree(tmp)
         raise
+    finally:
+        close_kept()  # what this process read of compressed files (a first row, units prepared here)
     return read_manifest(folder) or manifest
 
 
