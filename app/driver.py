@@ -328,7 +328,11 @@ def data_for(cfg: TrainingConfig) -> dict[str, str]:
     from app.checkpoint import write_atomic
     from app.data.manifest import EXPERIMENT_RECORD
 
-    folder, _ = pipeline.ensure(cfg)
+    folder = pipeline.started_on(cfg)
+    if folder is not None:
+        log.info(f"data: {folder}, the prepared dataset this experiment started on (its eval_fraction rule)")
+    else:
+        folder, _ = pipeline.ensure(cfg)
     # Which prepared dataset this experiment reads, for `finetune status` (the key's folder is shared).
     write_atomic(cfg.experiment_dir / EXPERIMENT_RECORD, json.dumps({"prepared": str(folder)}) + "\n")
     return {"prepared": str(folder)}

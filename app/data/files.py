@@ -15,13 +15,14 @@ are not data. tests/test_data.py checks the rule against datasets' own on a rang
 from __future__ import annotations
 
 import bz2
+import contextlib
 import glob
 import gzip
 import lzma
 import os
 import re
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 import yaml
 
@@ -99,6 +100,52 @@ def reader(kind: str) -> tuple[str, dict]:
 def open_data(file: str) -> IO[bytes]:
     """The file's bytes, decompressed as `datasets` decompresses them."""
     return COMPRESSIONS.get(Path(file).suffix, open)(file, "rb")
+
+
+# Compressed files this process read last, each left where its read ended (app.data.ranges' units): at most this many.
+KEPT_OPEN = 4
+_kept: dict[str, tuple[IO[bytes], tuple[int, int]]] = {}
+
+
+@contextlib.contextmanager
+def lines_from(file: str, anchor: tuple[int, int, int], first: int) -> Iterator[tuple[IO[bytes], list[int]]]:
+    """(the file's uncompressed bytes from a line start, [its row, its line number]): the anchor's (row, byte offset,
+    line), or where this process's last read of the file ended when that is further on and not past row `first`.
+    The caller sets the list to where its own read ended. A compressed file has no seek but decompressing up to the
+    offset: its handle stays open here, so that the next unit of the file a Ray Data actor encodes decompresses only
+    what lies between (an offset before it starts from the file's start again). The bytes read are the same either
+    way; only the work done to reach them differs."""
+    row, offset, number = anchor
+    if Path(file).suffix not in COMPRESSIONS:
+        with open(file, "rb") as f:
+            f.seek(offset)
+            yield f, [row, number]
+        return
+    f, at = _kept.pop(file, (None, (0, 0)))
+    if f is not None and at[0] <= first and f.tell() >= offset:
+        row, number = at  # already past the anchor and not past the rows wanted: read on from here
+    else:
+        if f is not None and f.tell() > offset:
+            f.close()
+            f = None
+        f = f or open_data(file)
+        f.seek(offset)
+    position = [row, number]
+    try:
+        yield f, position
+    except BaseException:
+        f.close()
+        raise
+    _kept[file] = (f, (position[0], position[1]))
+    while len(_kept) > KEPT_OPEN:
+        _kept.pop(next(iter(_kept)))[0].close()
+
+
+def close_kept() -> None:
+    """Closes the compressed files lines_from keeps open (the driver's, once a preparation is done: a decompressor
+    holds its window, up to tens of MB for xz, and the driver goes on to train)."""
+    while _kept:
+        _kept.popitem()[1][0].close()
 
 
 def saved_dataset(path: Path) -> bool:

@@ -6,11 +6,12 @@ format, seq_length, packing, train_on_prompt, the splits, the preparation code's
 every experiment over the same data and tokenizer shares one prepared dataset under `<storage>/prepared/<key>/`.
 A split is cut into units of UNIT_ROWS consecutive rows (app.data.encode); each unit is one row of a Ray Data
 dataset, encoded by an actor that loads the tokenizer once and writes the unit's arrays itself, so the bytes do
-not depend on how many CPUs, nodes or Ray Data blocks did the work. Local JSON Lines and parquet files are not read
-here: Ray tasks count their rows, the driver plans each unit as (file, rows) descriptors (the split expression and
-a mixture's choice applied to row numbers) and the actor reads its own rows (app.data.ranges), naming a bad row by
-the file and line of its descriptor. What app.data.ranges leaves to `datasets` (hub names, saved datasets,
-csv/tsv/text, compressed files, data.eval_fraction...) is read here and each unit's rows are sent as Arrow.
+not depend on how many CPUs, nodes or Ray Data blocks did the work. Local JSON Lines and text files (compressed or
+not), parquet files and save_to_disk folders are not read here: Ray tasks count their rows, the driver plans each
+unit as (file, rows) descriptors (the split expression, data.eval_fraction's holdout and a mixture's choice applied
+to row numbers) and the actor reads its own rows (app.data.ranges), naming a bad row by the file and line of its
+descriptor. What app.data.ranges leaves to `datasets` (hub names, csv/tsv, a saved dataset with a format...) is read
+here (app.data.sources.load_split) and each unit's rows are sent as Arrow.
 The folder is written under a temporary name and renamed once its manifest is in: a preparation that fails or is
 killed leaves nothing a later run reads.
 """
@@ -33,8 +34,8 @@ from app import faults
 from app.config import DataConfig, ModelConfig, TrainingConfig
 from app.data import chat, pairs, ranges, tokens
 from app.data.encode import UNIT_ROWS, UnitEncoder, first_row_problem, layout_of, report
-from app.data.files import is_local, saved_dataset, split_files, split_names
-from app.data.manifest import MANIFEST, read_manifest, summary
+from app.data.files import close_kept, is_local, saved_dataset, split_files, split_names
+from app.data.manifest import EXPERIMENT_RECORD, MANIFEST, read_manifest, summary
 from app.data.sources import format_of, load_split, row_location
 from app.data.units import remove_tree, write_unit
 from app.errors import Problem
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
 
 PREPARED = "prepared"  # under experiment.storage_path, beside the experiments' folders
 VERSION = "prepared-v1"  # the preparation code's version: a change to the bytes it writes changes it
+# The rule that picks data.eval_fraction's rows (holdout): in the key where a fraction is held out, so that another
+# rule (other rows) gets another key. v1 was datasets' train_test_split (its train rows shuffled); sorted-v2 picks
+# the same number of rows by a seeded permutation of the row numbers and keeps both parts in the split's order.
+HOLDOUT = "sorted-v2"
 # What AutoTokenizer reads from a model folder: its identity is their contents, wherever the folder is.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -69,6 +74,7 @@ def root_of(storage_path: str) -> Path:
 def key_fields(cfg: TrainingConfig) -> dict[str, Any]:
     d = cfg.data
     sources = d.sources()
+    held_out = {"holdout": HOLDOUT} if d.eval_fraction else {}  # the other keys stay as they were
     return {
         "version": VERSION,
         "unit_rows": UNIT_ROWS,  # the packing groups
@@ -92,11 +98,32 @@ def key_fields(cfg: TrainingConfig) -> dict[str, Any]:
         "seq_length": d.seq_length,
         "packing": d.packing,
         "tokenizer": tokenizer_identity(cfg.model),
+        **held_out,
     }
 
 
 def key_of(cfg: TrainingConfig) -> str:
-    return hashlib.sha256(json.dumps(key_fields(cfg), sort_keys=True).encode()).hexdigest()[:16]
+    return hash_of(key_fields(cfg))
+
+
+def hash_of(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def started_on(cfg: TrainingConfig) -> Path | None:
+    """The prepared dataset this experiment's runs read under the key its config had before the holdout rule was in
+    the key (data.eval_fraction's rows were then datasets' train_test_split's): its resume keeps reading it, so the
+    exact-batch resume sees the blocks it started on. None for a config without a fraction, a new experiment, or
+    one that reads the current key."""
+    fields = key_fields(cfg)
+    if "holdout" not in fields:
+        return None
+    del fields["holdout"]
+    try:
+        recorded = Path(json.loads((cfg.experiment_dir / EXPERIMENT_RECORD).read_text())["prepared"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return recorded if recorded.name == hash_of(fields) and read_manifest(recorded) is not None else None
 
 
 def folder_of(cfg: TrainingConfig) -> Path:
@@ -217,6 +244,8 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
     except BaseException:
         remove_tree(tmp)
         raise
+    finally:
+        close_kept()  # what this process read of compressed files (a first row, units prepared here)
     return read_manifest(folder) or manifest
 
 
@@ -274,8 +303,8 @@ def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) ->
         raw, evalset = numbered(raw), numbered(evalset)
     read = len(raw)
     if d.eval_fraction:
-        parts = raw.train_test_split(test_size=d.eval_fraction, seed=seed)
-        raw, evalset = parts["train"], parts["test"]
+        kept, held = holdout(len(raw), d.eval_fraction, seed)
+        raw, evalset = raw.select(kept), raw.select(held)
     splits = {"train": (raw, d.split)}
     if evalset is not None:
         splits["eval"] = (evalset, d.eval_split or d.split)
@@ -297,6 +326,20 @@ def numbered(split):
 
 def first_row(split) -> dict[str, Any]:
     return split.row(0) if isinstance(split, ranges.Ranged) else split[0]
+
+
+def holdout(rows: int, fraction: float, seed: int):
+    """(the rows kept for training, the rows held out for eval) of a split of `rows` rows, each ascending: as many
+    held out as datasets' train_test_split holds out (ceil), picked by a permutation of the row numbers that only
+    the seed and the row count fix, so any number of CPUs, a resume and either reading (by range or `datasets`)
+    hold out the same rows. In the split's order, a Ranged split's units read runs of rows, not the whole split."""
+    import math
+
+    import numpy as np
+
+    held = np.zeros(rows, dtype=bool)
+    held[np.random.default_rng(seed).permutation(rows)[: math.ceil(fraction * rows)]] = True
+    return np.flatnonzero(~held), np.flatnonzero(held)
 
 
 def mix(sources: list[Source], seed: int) -> None:

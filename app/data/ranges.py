@@ -1,15 +1,24 @@
 """A split read by row range: the driver counts each file's rows (a Ray task a file: parquet's metadata, a JSON
-Lines file's lines) and plans units as (file, rows) descriptors; the actor that encodes a unit reads its own rows
-with pyarrow, so no row passes through the driver or the object store.
+Lines or text file's lines, an Arrow file's record batches) and plans units as (file, rows) descriptors; the actor
+that encodes a unit reads its own rows, so no row passes through the driver or the object store.
 
-Read this way: local, uncompressed JSON Lines (.json, .jsonl, .ndjson) and parquet files, split and sliced as
-`datasets` does (`train[:10%]+validation`, by datasets' own ReadInstruction), and selected by a mixture. The rows
-are the values `datasets` gives: parquet is cast to its first file's features, JSON Lines parsed against the schema
-`datasets` infers from the split's first chunk (10 MB of its first file) and cast as datasets casts later chunks.
-Left to `datasets` in the driver (app.data.sources.load_split), each for a reason: hub names and saved datasets
-(save_to_disk folders: no files of rows), csv/tsv/text and compressed files (no cheap row count or seek), a file
-that is one JSON document or whose first chunk `datasets` would re-encode as JSON strings (mixed struct types), and
-data.eval_fraction (its random permutation would make every unit read the whole split).
+Read this way: local JSON Lines (.json, .jsonl, .ndjson), plain-text (.txt, app.data.textrows) and parquet files,
+the JSON Lines and text ones compressed (.gz, .bz2, .xz) or not, split and sliced as `datasets` does
+(`train[:10%]+validation`, by datasets' own ReadInstruction); save_to_disk folders (app.data.saved); and any of them
+with data.eval_fraction held out and a mixture's choice applied to the planned row numbers (app.data.pipeline). The
+rows are the values `datasets` gives: parquet is cast to its first file's features, JSON Lines parsed against the
+schema `datasets` infers from the split's first chunk (10 MB of its first file) and cast as datasets casts later
+chunks, text is a `text` column of strings. A compressed file cannot be seeked: its count is one Ray task that
+decompresses it whole, and each unit decompresses it up to its own rows (skipping what comes before unparsed), so
+a unit's rows, and so its bytes, are those of the uncompressed file whatever the parallelism; an actor keeps the
+file open where its last unit ended (app.data.files.lines_from), so the run of consecutive units Ray Data gives it
+decompresses the file once, and only a unit behind the handle starts from the file's start again. (Whole-file
+units would have cut the split elsewhere than every 4,096 rows: other packing groups, other bytes.)
+Left to `datasets` in the driver (app.data.sources.load_split), each for a reason: hub names (no local files to
+count: the hub's download and cache are `datasets`' own), csv/tsv (pandas reads them in chunks of 10,000 rows
+whose column types each chunk infers: a unit would need its chunk's types, which only parsing from the file's start
+gives), a save_to_disk folder saved with a format or read with several splits, a file that is one JSON document or
+whose first chunk `datasets` would re-encode as JSON strings (mixed struct types).
 """
 
 from __future__ import annotations
@@ -25,18 +34,19 @@ from typing import Any
 import numpy as np
 
 from app.config import DataConfig
-from app.data import chat
-from app.data.files import COMPRESSIONS, is_local, kind_of, saved_dataset, split_files, split_names
+from app.data import chat, saved, textrows
+from app.data.files import is_local, kind_of, lines_from, open_data, saved_dataset, split_files, split_names
 from app.errors import Problem
 
-STRIDE = 1024  # a JSON Lines file's rows between two anchors (row, byte offset, line) its count records
+STRIDE = 1024  # a JSON Lines or text file's rows between two anchors (row, byte offset, line) its count records
 PARQUET_BATCH = 1024  # rows decoded at a time from a parquet row group, up to a unit's last row
 JSON_CHUNK = 10 << 20  # datasets' json chunksize: its first chunk's schema is the split's
 
 
 @dataclass
 class FileRows:
-    """A data file's row count and, for JSON Lines, an anchor every STRIDE rows: (row, byte offset, line number)."""
+    """A data file's row count and, for JSON Lines and text, an anchor every STRIDE rows: (row, byte offset, line
+    number) of a line at or before that row (byte offsets of the uncompressed bytes)."""
 
     file: str
     kind: str
@@ -49,8 +59,12 @@ def count(file: str, kind: str) -> FileRows:
         import pyarrow.parquet as pq
 
         return FileRows(file, kind, pq.ParquetFile(file).metadata.num_rows, [])
+    if kind == "arrow":
+        return FileRows(file, kind, saved.count(file), [])
+    if kind == "text":
+        return FileRows(file, kind, *textrows.count(file, STRIDE))
     rows, offset, anchors = 0, 0, []
-    with open(file, "rb") as f:
+    with open_data(file) as f:
         for number, line in enumerate(f, 1):
             if line.strip():  # pyarrow (so datasets) skips blank lines: they are no row
                 if rows % STRIDE == 0:
@@ -69,10 +83,14 @@ def schema_of(first: str, kind: str):
         import pyarrow.parquet as pq
 
         return Features.from_arrow_schema(pq.read_schema(first)).arrow_schema
+    if kind == "arrow":
+        return saved.schema_of(first)
+    if kind == "text":
+        return pa.schema([("text", pa.string())])  # the text builder's one column, without features
     import pyarrow.json as paj
     from datasets.utils.json import find_mixed_struct_types_field_paths
 
-    with open(first, "rb") as f:  # datasets' first batch: a chunk, then the rest of its last line
+    with open_data(first) as f:  # datasets' first batch: a chunk, then the rest of its last line
         batch = f.read(JSON_CHUNK)
         batch = batch.removeprefix(codecs.BOM_UTF8) + f.readline()
     if batch.lstrip().startswith(b"["):
@@ -96,9 +114,18 @@ def schema_of(first: str, kind: str):
     return Features.from_arrow_schema(table.schema).arrow_schema
 
 
-def survey(file: str, kind: str, first: bool) -> tuple[FileRows, Any]:
-    """A file's count and, for the split's first file, the split's schema (one Ray task a file)."""
-    return count(file, kind), schema_of(file, kind) if first else None
+def survey(file: str, kind: str, first: bool) -> tuple[FileRows | None, Any]:
+    """A file's count and, for the split's first file, the split's schema (one Ray task a file); (None, None) for a
+    file it cannot read (damaged, not the compression its name says), which `datasets` then reads and names."""
+    import lzma
+    import zlib
+
+    import pyarrow as pa
+
+    try:
+        return count(file, kind), schema_of(file, kind) if first else None
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error, pa.ArrowException):
+        return None, None
 
 
 def _remote(fn, calls: list[tuple]) -> list:
@@ -116,8 +143,11 @@ def _remote(fn, calls: list[tuple]) -> list:
 
 def plan(d: DataConfig, expression: str) -> Ranged | None:
     """The split `expression` of a source as a Ranged, counted by Ray tasks; None for what `datasets` reads."""
-    if d.eval_fraction or not is_local(d.dataset) or saved_dataset(Path(os.path.expanduser(d.dataset))):
+    if not is_local(d.dataset):
         return None
+    path = Path(os.path.expanduser(d.dataset))
+    if saved_dataset(path):
+        return _plan_saved(path, expression)
     by_split = split_files(d.dataset, d.config_name)
     names = split_names(expression)
     if any(name not in by_split for name in names):
@@ -125,13 +155,12 @@ def plan(d: DataConfig, expression: str) -> Ranged | None:
     given = {name: by_split[name] for name in names}
     files = [f for fs in given.values() for f in fs]
     kinds = {kind_of(f) for f in files}
-    compressed = any(Path(f).suffix in COMPRESSIONS for f in files)
-    if not files or len(kinds) != 1 or kinds - {"json", "parquet"} or compressed:
+    if not files or len(kinds) != 1 or kinds - {"json", "parquet", "text"}:
         return None
     kind = kinds.pop()
     surveyed = _remote(survey, [(f, kind, n == 0) for n, f in enumerate(files)])
     counted, schema = [c for c, _ in surveyed], surveyed[0][1]
-    if schema is None:
+    if schema is None or None in counted:
         return None
     from datasets.arrow_reader import ReadInstruction
 
@@ -143,13 +172,37 @@ def plan(d: DataConfig, expression: str) -> Ranged | None:
         return None  # datasets' own reading refuses it with its message
     spans = []  # (file, first row, end row) in the split's order
     for ins in instructions:
-        lo, hi, start = ins.from_, ins.to, 0
-        for f in given[ins.splitname]:
-            n = by_file[f].rows
-            if min(hi, start + n) > max(lo, start):
-                spans.append((f, max(lo, start) - start, min(hi, start + n) - start))
-            start += n
+        spans += _spans([by_file[f] for f in given[ins.splitname]], ins.from_, ins.to)
     return Ranged(list(by_file.values()), schema, spans)
+
+
+def _spans(files: list[FileRows], lo: int, hi: int) -> list[tuple[str, int, int]]:
+    """(file, first row, end row) of the rows lo..hi of these files one after the other."""
+    spans, start = [], 0
+    for f in files:
+        if min(hi, start + f.rows) > max(lo, start):
+            spans.append((f.file, max(lo, start) - start, min(hi, start + f.rows) - start))
+        start += f.rows
+    return spans
+
+
+def _plan_saved(path: Path, expression: str) -> Ranged | None:
+    """A save_to_disk folder's split (app.data.saved): its Arrow files counted by Ray tasks, sliced as
+    app.data.sources.load_split slices a saved DatasetDict's split."""
+    found = saved.folder_of(path, expression)
+    if found is None:
+        return None
+    folder, rest = found
+    files = saved.files_of(folder)
+    surveyed = _remote(survey, [(f, "arrow", n == 0) for n, f in enumerate(files)])
+    counted, schema = [c for c, _ in surveyed], surveyed[0][1]
+    if schema is None or None in counted:
+        return None
+    from app.data.sources import slice_of
+
+    total = sum(c.rows for c in counted)
+    rows = slice_of(total, rest) if rest else range(total)
+    return Ranged(counted, schema, _spans(counted, rows.start, rows.stop))
 
 
 class Ranged:
@@ -221,7 +274,7 @@ def read(unit: dict[str, Any], schema) -> tuple[dict[str, list], list[str]]:
 
     tables, places = [], []
     for part in unit["parts"]:
-        table, where = _parquet(part, schema) if part["kind"] == "parquet" else _json(part, schema)
+        table, where = READERS[part["kind"]](part, schema)
         tables.append(table)
         places += where
     rows = pa.concat_tables(tables).to_pydict() if tables else {name: [] for name in schema.names}
@@ -257,11 +310,11 @@ def _parquet(part: dict[str, Any], schema):
 
 def _json(part: dict[str, Any], schema):
     wanted, lines, numbers = expand(part["rows"]), [], []
-    row, offset, number = part["anchor"]
     take = set(wanted)
-    with open(part["file"], "rb") as f:
-        f.seek(offset)
-        for number, line in enumerate(f, number):
+    with lines_from(part["file"], part["anchor"], wanted[0]) as (f, position):
+        row, number = position[0], position[1] - 1
+        for line in f:
+            number += 1
             if not line.strip():
                 continue
             if row in take:  # the BOM datasets strips (and pyarrow skips) would be mid-data once lines are joined
@@ -270,6 +323,7 @@ def _json(part: dict[str, Any], schema):
             row += 1
             if row > wanted[-1]:
                 break
+        position[:] = [row, number + 1]  # where the next line starts, for the next unit of a compressed file
     return _parse(part["file"], lines, numbers, schema), [f"{part['file']} line {n}" for n in numbers]
 
 
@@ -302,6 +356,20 @@ def _parse(file: str, lines: list[bytes], numbers: list[int], schema):
     except (pa.ArrowInvalid, TypeError, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise Problem("data.dataset", file, f"cannot be read: {reason}", "fix the file") from None
+
+
+def _text(part: dict[str, Any], schema):
+    import pyarrow as pa
+
+    values, places = textrows.read(part, expand(part["rows"]))
+    return pa.table([pa.array(values, pa.string())], schema=schema), places
+
+
+def _arrow(part: dict[str, Any], schema):
+    return saved.read(part, schema, expand(part["rows"]))
+
+
+READERS = {"parquet": _parquet, "json": _json, "text": _text, "arrow": _arrow}  # a part's kind: its reader
 
 
 class Where:

@@ -1,5 +1,7 @@
 """A source's rows as `datasets` reads them (local files, a folder split the Hub's way, a save_to_disk folder, a
-Hub name), where a row came from (file and line, for messages), and the format its columns mean.
+Hub name), where a row came from (file and line, for messages), and the format its columns mean. Preparation reads
+here, in the driver, only what app.data.ranges does not plan by row range (hub names, csv/tsv...); the checks and
+the in-memory path (app.data.pipeline.tokenize) read here.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def load_split(cfg: DataConfig, split: str):
             if isinstance(loaded, datasets.DatasetDict):
                 name, _, rest = split.partition("[")
                 base = loaded[name]
-                return base if not rest else datasets.concatenate_datasets([base]).select(_slice(len(base), rest))
+                return base if not rest else datasets.concatenate_datasets([base]).select(slice_of(len(base), rest))
             return loaded
         by_split = split_files(cfg.dataset, cfg.config_name)
         # Only the splits read: datasets converts every split it is given (a folder's test split too).
@@ -75,7 +77,7 @@ def unreadable_data(files: list[str], builder: str, exc: BaseException) -> Probl
     return Problem("data.dataset", files[0] if len(files) == 1 else files, f"cannot be read: {reason}", "fix the file")
 
 
-def _slice(n: int, spec: str) -> range:
+def slice_of(n: int, spec: str) -> range:
     """`train[a:b]` on a save_to_disk DatasetDict, with the same % syntax as `datasets`."""
     lo, _, hi = spec.rstrip("]").partition(":")
 
@@ -98,7 +100,7 @@ def row_location(dataset: str, split: str | None, index: int, config: str | None
         return fallback
     places = [(file, place) for file in files for place in _row_places(file)]
     rest = split.split("+")[0].partition("[")[2]
-    index += _slice(len(places), rest).start if rest else 0
+    index += slice_of(len(places), rest).start if rest else 0
     return f"{places[index][0]} {places[index][1]}" if index < len(places) else fallback
 
 
