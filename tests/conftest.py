@@ -64,6 +64,70 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path
     )
 
 
+# The start of a run_engine_script program: one CPU process as rank 0 of a gloo group on the port it is given, the
+# "finetune" log captured in `lines`, six fixed batches of token ids, `engine(stage, **train)` (the app's own
+# build_engine over the tiny model, one worker), `steps` (their losses) and `resumed`: a run saved after 3 steps and
+# its checkpoint restored into another engine by the app's `restore`, as a redeploy does (tests/test_stage0.py,
+# tests/test_weight_decay.py).
+ENGINE_PRELUDE = r"""
+import os, sys, json, logging, torch, torch.distributed as dist
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from pathlib import Path
+import deepspeed
+from app.checkpoint import formats, restore
+from app.config import parse
+from app.ds_config import build
+from app.train_loop import build_engine
+dist.init_process_group("gloo")
+deepspeed.init_distributed(dist_backend="gloo")
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("finetune").addHandler(handler)
+logging.getLogger("finetune").setLevel(logging.INFO)
+gen = torch.Generator().manual_seed(0)
+batches = [torch.randint(0, 500, (2, 32), generator=gen) for _ in range(6)]
+
+def engine(stage, **train):
+    torch.manual_seed(0)
+    cfg = parse({"model": {"name_or_path": sys.argv[1]}, "scaling": {"num_workers": 1},
+                 "train": {"learning_rate": 1e-2, **train}, "deepspeed": {"zero_optimization": {"stage": stage}}})
+    return build_engine(cfg, build(cfg, hidden_size=64, world_size=1), 10, False, {})[1]
+
+def steps(e, some):
+    out = []
+    for ids in some:
+        loss = e(input_ids=ids, labels=ids).loss
+        e.backward(loss); e.step(); out.append(loss.item())
+    return out
+
+def adam_steps(e):
+    return sorted({float(s["step"]) for s in getattr(e.optimizer, "optimizer", e.optimizer).state.values()})
+
+def resumed(first, again, path, state):
+    # first() trains 3 batches and saves under `path` (trainer state: `state` over one worker's), then trains the
+    # other 3 (`ref`); again() builds the engine the checkpoint is restored into. Returns it and what the restore
+    # found: the step counts, the groups, the log lines, whether the saved files were left as written.
+    a = first()
+    steps(a, batches[:3])
+    a.save_checkpoint(str(path), tag="ds")
+    counted, groups = adam_steps(a), len(a.optimizer.param_groups)
+    state = {"global_step": 3, "world_size": 1, "micro_batch_size": a.train_micro_batch_size_per_gpu(),
+             "gradient_accumulation_steps": 1, **state}
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    ref = steps(a, batches[3:])
+    del a
+    b, lines[:] = again(), []
+    files = lambda: {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in (path / "ds").iterdir()}
+    written = files()
+    restore(b, path, 0, 1)
+    loaded = {"steps": adam_steps(b), "saved_steps": counted, "global": b.global_steps,
+              "schedule": b.lr_scheduler.last_epoch, "groups": [groups, len(b.optimizer.param_groups)]}
+    return b, {"ref": ref, "loaded": loaded, "lines": list(lines), "kept": written == files()}
+"""
+
+
 def run_engine_script(script: str, model: Path, folder: Path, plan: list) -> dict:
     """`script` (a test's engine program, single-process DeepSpeed on a free port) over `model`, writing under
     `folder`, given `plan` as JSON; the dict it prints after "RESULT "."""

@@ -14,77 +14,34 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import losses, resumed_line, run_cli, run_engine_script, tiny_overrides
+from conftest import ENGINE_PRELUDE, losses, resumed_line, run_cli, run_engine_script, tiny_overrides
 
 # Per-step loss after the resume vs the uninterrupted run at the checkpoint's stage: the stages update the same state
 # with other kernels (DeepSpeed's ZeRO optimizers, the app's fused AdamW at stage 0 with pure bf16, DeepSpeed's mixed
 # precision wrapper), seen up to 9e-4 over 3 steps. The optimizer state reset at the resume shows as 0.07-0.19.
 STAGE0_TOL = 3e-3
 
-ENGINE = r"""
-import os, sys, json, logging, torch, torch.distributed as dist
-os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-from pathlib import Path
-import deepspeed
-from app.checkpoint import formats, restore
-from app.config import parse
-from app.ds_config import build
-from app.train_loop import build_engine
-dist.init_process_group("gloo")
-deepspeed.init_distributed(dist_backend="gloo")
-lines = []
-handler = logging.Handler()
-handler.emit = lambda record: lines.append(record.getMessage())
-logging.getLogger("finetune").addHandler(handler)
-logging.getLogger("finetune").setLevel(logging.INFO)
-gen = torch.Generator().manual_seed(0)
-batches = [torch.randint(0, 500, (2, 32), generator=gen) for _ in range(6)]
-
-def engine(stage, pure):
-    torch.manual_seed(0)
-    cfg = parse({"model": {"name_or_path": sys.argv[1]}, "scaling": {"num_workers": 1},
-                 "train": {"learning_rate": 1e-2, "weight_decay": 0.1, "pure_bf16": pure},
-                 "deepspeed": {"zero_optimization": {"stage": stage}}})
-    return build_engine(cfg, build(cfg, hidden_size=64, world_size=1), 10, False, {})[1]
-
-def steps(e, some):
-    out = []
-    for ids in some:
-        loss = e(input_ids=ids, labels=ids).loss
-        e.backward(loss); e.step(); out.append(loss.item())
-    return out
-
+ENGINE = (
+    ENGINE_PRELUDE
+    + r"""
 out = {}
 for (s1, p1), (s2, p2) in json.loads(sys.argv[4]):
     key, path = f"{s1}{'p' if p1 else 'm'}-{s2}{'p' if p2 else 'm'}", Path(sys.argv[3])
     path = path / key
-    a = engine(s1, p1)
-    steps(a, batches[:3])
-    a.save_checkpoint(str(path), tag="ds")
-    counted = sorted({float(s["step"]) for s in getattr(a.optimizer, "optimizer", a.optimizer).state.values()})
-    state = {"global_step": 3, "world_size": 1, "zero_stage": s1, "pure_bf16": p1,
-             "micro_batch_size": a.train_micro_batch_size_per_gpu(), "gradient_accumulation_steps": 1}
-    (path / "trainer_state.json").write_text(json.dumps(state))
-    ref = steps(a, batches[3:])
-    del a
-    b, lines[:] = engine(s2, p2), []
-    written = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in (path / "ds").iterdir()}
-    restore(b, path, 0, 1)
-    kept = written == {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in (path / "ds").iterdir()}
-    opt = getattr(b.optimizer, "optimizer", b.optimizer)
-    loaded = {"steps": sorted({float(s["step"]) for s in opt.state.values()}), "saved_steps": counted,
-              "global": b.global_steps,
-              "schedule": b.lr_scheduler.last_epoch, "master": formats.master_dtype(b)}
+    b, out[key] = resumed(lambda: engine(s1, weight_decay=0.1, pure_bf16=p1),
+                          lambda: engine(s2, weight_decay=0.1, pure_bf16=p2),
+                          path, {"zero_stage": s1, "pure_bf16": p1})
+    loaded = out[key]["loaded"]
+    loaded["master"] = formats.master_dtype(b)
     if s2 == 0:  # the model's weights are the universal folder's masters (flat from stage 3), in the model's dtype
         zero = path / "universal" / "zero"
         master = lambda n, p: torch.load(zero / n / "fp32.pt")["param"].reshape(p.shape).to(p.dtype)
         loaded["max_diff"] = max(
             (p.detach().float() - master(n, p).float()).abs().max().item() for n, p in b.module.named_parameters())
-    out[key] = {"ref": ref, "got": steps(b, batches[3:]), "loaded": loaded, "lines": list(lines),
-                "kept": kept, "converted": (path / "universal" / ".done").exists()}
+    out[key].update(got=steps(b, batches[3:]), converted=(path / "universal" / ".done").exists())
 print("RESULT " + json.dumps(out))
 """
+)
 
 
 def run_engines(model: Path, folder: Path, pairs: list) -> dict:

@@ -12,42 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_engine_script
+from conftest import ENGINE_PRELUDE, run_engine_script
 
-ENGINE = r"""
-import os, sys, json, logging, torch, torch.distributed as dist
-os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-from pathlib import Path
-import deepspeed
+ENGINE = (
+    ENGINE_PRELUDE
+    + r"""
 from app import model as app_model
-from app.config import parse
-from app.ds_config import build
-from app.checkpoint import restore
-from app.train_loop import build_engine
-dist.init_process_group("gloo")
-deepspeed.init_distributed(dist_backend="gloo")
-lines = []
-handler = logging.Handler()
-handler.emit = lambda record: lines.append(record.getMessage())
-logging.getLogger("finetune").addHandler(handler)
-logging.getLogger("finetune").setLevel(logging.INFO)
-gen = torch.Generator().manual_seed(0)
-batches = [torch.randint(0, 500, (2, 32), generator=gen) for _ in range(6)]
 
-def engine(stage, decay):
-    torch.manual_seed(0)
-    cfg = parse({"model": {"name_or_path": sys.argv[1]}, "scaling": {"num_workers": 1},
-                 "train": {"learning_rate": 1e-2, "weight_decay": decay, "warmup_steps": 2, "lr_scheduler": "linear"},
-                 "deepspeed": {"zero_optimization": {"stage": stage}}})
-    return build_engine(cfg, build(cfg, hidden_size=64, world_size=1), 10, False, {})[1]
-
-def steps(e, some):
-    out = []
-    for ids in some:
-        loss = e(input_ids=ids, labels=ids).loss
-        e.backward(loss); e.step(); out.append(loss.item())
-    return out
+def decaying(stage, decay):
+    return engine(stage, weight_decay=decay, warmup_steps=2, lr_scheduler="linear")
 
 def weights(e):
     params = list(e.module.named_parameters())
@@ -55,7 +28,7 @@ def weights(e):
         return {n: p.detach().float().clone() for n, p in params}
 
 def trained(stage, decay):
-    e = engine(stage, decay)
+    e = decaying(stage, decay)
     steps(e, batches[:3])
     return weights(e)
 
@@ -64,7 +37,7 @@ out = {}
 if "decay" in plan:
     decay = plan["decay"]
     runs = {f"z{s}-{d}": trained(s, d) for s, d in [(2, decay), (3, decay), (2, 0.0)]}
-    decayed = [n for n, _ in app_model.decay_groups(engine(2, decay).module)[0]]
+    decayed = [n for n, _ in app_model.decay_groups(decaying(2, decay).module)[0]]
     diff = lambda a, b: sum((runs[a][n] - runs[b][n]).norm() ** 2 for n in decayed).item() ** 0.5
     out["decay"] = {"decayed": len(decayed), "z3_vs_z2": diff(f"z3-{decay}", f"z2-{decay}"),
                     "decay_effect": diff(f"z2-{decay}", "z2-0.0")}
@@ -79,34 +52,24 @@ def old_groups(model):  # the grouping before the fix: by each parameter's own t
 fixed = app_model.decay_groups
 for key, old, record, stage in plan.get("resume", []):
     path = Path(sys.argv[3]) / key
-    app_model.decay_groups = old_groups if old else fixed
-    a = engine(3, plan["weight_decay"])
-    app_model.decay_groups = fixed
-    saved_groups = len(a.optimizer.param_groups)
-    steps(a, batches[:3])
-    a.save_checkpoint(str(path), tag="ds")
-    counted = sorted({float(s["step"]) for s in a.optimizer.optimizer.state.values()})
-    state = {"global_step": 3, "world_size": 1, "zero_stage": 3, "pure_bf16": False,
-             "micro_batch_size": a.train_micro_batch_size_per_gpu(), "gradient_accumulation_steps": 1,
-             **({"decay_groups": app_model.DECAY_GROUPS_LAYOUT} if record else {})}
-    (path / "trainer_state.json").write_text(json.dumps(state))
-    ref = steps(a, batches[3:])
-    del a
-    b, lines[:] = engine(stage, plan["weight_decay"]), []
-    written = {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in (path / "ds").iterdir()}
-    restore(b, path, 0, 1)
-    kept = written == {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in (path / "ds").iterdir()}
-    opt = getattr(b.optimizer, "optimizer", b.optimizer)
-    loaded = {"steps": sorted({float(s["step"]) for s in opt.state.values()}), "saved_steps": counted,
-              "global": b.global_steps, "schedule": b.lr_scheduler.last_epoch,
-              "groups": [saved_groups, len(b.optimizer.param_groups)],
-              "weight_decay": [g["weight_decay"] for g in b.optimizer.param_groups]}
+
+    def first():  # built with the old groups where asked
+        app_model.decay_groups = old_groups if old else fixed
+        try:
+            return decaying(3, plan["weight_decay"])
+        finally:
+            app_model.decay_groups = fixed
+
+    b, out[key] = resumed(first, lambda: decaying(stage, plan["weight_decay"]), path,
+                          {"zero_stage": 3, "pure_bf16": False,
+                           **({"decay_groups": app_model.DECAY_GROUPS_LAYOUT} if record else {})})
+    out[key]["loaded"]["weight_decay"] = [g["weight_decay"] for g in b.optimizer.param_groups]
     got = steps(b, batches[3:])
-    loaded["lr"] = [g["lr"] for g in b.optimizer.param_groups]  # every group on the schedule
-    out[key] = {"ref": ref, "got": got, "loaded": loaded, "lines": list(lines), "kept": kept,
-                "converted": (path / "universal" / ".done").exists()}
+    out[key]["loaded"]["lr"] = [g["lr"] for g in b.optimizer.param_groups]  # every group on the schedule
+    out[key].update(got=got, converted=(path / "universal" / ".done").exists())
 print("RESULT " + json.dumps(out))
 """
+)
 
 
 def run_engines(model: Path, folder: Path, plan: dict) -> dict:
