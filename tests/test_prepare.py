@@ -97,7 +97,7 @@ def test_the_same_key_gives_the_same_bytes_on_any_number_of_cpus(tiny_model, tmp
 def by_datasets(monkeypatch, cfg: TrainingConfig) -> tuple[Path, dict]:
     """The preparation with every split read by `datasets` in the driver (the path before app.data.ranges)."""
     with monkeypatch.context() as m:
-        m.setattr(pipeline.ranges, "plan", lambda d, expression: None)
+        m.setattr(pipeline.ranges, "plan", lambda d, expression, scratch=None: None)
         return pipeline.ensure(cfg)
 
 
@@ -162,7 +162,7 @@ def test_rows_read_by_range_are_the_bytes_datasets_reads(tiny_model, tmp_path, m
         cfg = chat_config(tmp_path, tiny_model, dataset=str(data), **fields)
     planned = []
     real = pipeline.ranges.plan
-    monkeypatch.setattr(pipeline.ranges, "plan", lambda d, e: planned.append(real(d, e)) or planned[-1])
+    monkeypatch.setattr(pipeline.ranges, "plan", lambda d, e, s=None: planned.append(real(d, e, s)) or planned[-1])
     folder, manifest = pipeline.ensure(cfg)
     assert planned and all(p is not None for p in planned)  # every split was read by range
     if case == "awkward":  # without a blank line, datasets 5 reads such keys as JSON text: left to it

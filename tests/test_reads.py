@@ -1,11 +1,14 @@
 """What app.data.ranges reads beyond plain JSON Lines and parquet (plain-text and compressed files, save_to_disk
-folders, data.eval_fraction): planned by row range, the driver reading no row with `datasets`, and prepared to the
-bytes the driver's `datasets` reading gives, at any parallelism; a bad row named by its file and line."""
+folders, csv/tsv files, data.eval_fraction): planned by row range, the driver reading no row with `datasets`, and
+prepared to the bytes the driver's `datasets` reading gives, at any parallelism; a bad row named by its file and
+line."""
 
 from __future__ import annotations
 
 import bz2
+import csv
 import gzip
+import io
 import json
 import lzma
 from pathlib import Path
@@ -104,6 +107,107 @@ def test_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
         assert {k: v for k, v in split.items() if k != "units"} == {
             k: v for k, v in old["splits"][name].items() if k != "units"
         }
+
+
+CSV_CHUNK = 40  # pandas' chunk of rows, for datasets' reading and app.data.csvrows' alike (datasets': 10,000)
+
+
+def small_csv_chunks(monkeypatch) -> None:
+    """datasets' csv options with chunks of CSV_CHUNK rows, in this process (app.data.csvrows passes the driver's
+    options to its Ray tasks)."""
+    from datasets.packaged_modules.csv import csv as builder
+
+    real = builder.CsvConfig.pd_read_csv_kwargs
+    chunked = property(lambda self: {**real.fget(self), "chunksize": CSV_CHUNK})
+    monkeypatch.setattr(builder.CsvConfig, "pd_read_csv_kwargs", chunked)
+
+
+def csv_files(folder: Path, kind: str) -> Path:
+    """The news texts with a number column as two csv (or tsv) files of 300 rows, whose later chunks pandas types
+    otherwise than the first one, so that datasets' cast to the first chunk's schema changes their values: a chunk
+    of the first file and the second file's first chunk have only numbers as texts ('007', '1.50': ints and floats,
+    read back as '7' and '1.5'), and the second file has blank numbers (floats, NaN: nulls in an int column); a .gz
+    and texts spanning lines (quoted) too."""
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()[:600]]
+    for n in [*range(2 * CSV_CHUNK, 3 * CSV_CHUNK), *range(300, 300 + CSV_CHUNK)]:
+        texts[n] = f"{n:04d}" if n % 2 else f"{n}.50"
+    texts[7] = texts[7][:40] + "\n" + texts[7][40:]
+    folder.mkdir()
+    sep = "," if kind == "csv" else "\t"
+    for part, rows in ((1, range(300)), (2, range(300, 600))):
+        out = io.StringIO()
+        writer = csv.writer(out, delimiter=sep, lineterminator="\n")
+        writer.writerow(["text", "n"])
+        writer.writerows([texts[n], "" if part == 2 and n % 3 == 0 else n] for n in rows)
+        body = out.getvalue().encode()
+        if part == 2:
+            (folder / f"train-2.{kind}.gz").write_bytes(gzip.compress(body))
+        else:
+            (folder / f"train-1.{kind}").write_bytes(body)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv"])
+def test_csv_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
+    tiny_model, tmp_path, monkeypatch, ray_cluster, kind
+):
+    """csv/tsv files converted to Arrow by Ray tasks as datasets parses and casts them: 1 and 2 Ray Data actors,
+    with no split read by the driver, write the files the driver's `datasets` reading writes, and the prepared
+    dataset holds no converted file."""
+    monkeypatch.setattr(pipeline, "UNIT_ROWS", 150)
+    small_csv_chunks(monkeypatch)
+    data = str(csv_files(tmp_path / kind, kind))
+    fields = {"eval_fraction": 0.1} if kind == "csv" else {"split": "train[10:]"}
+    make = lambda **f: config(tmp_path, tiny_model, dataset=data, **fields, **f)  # noqa: E731
+    assert pipeline.ranges.plan(make().data, "train") is None  # without a temporary folder: left to datasets
+    found, manifests = [], []
+    with monkeypatch.context() as m:
+        no_driver_reading(m)
+        for cpus in (1, 2):
+            folder, manifest = pipeline.ensure(make(num_proc=cpus))
+            assert not (folder / pipeline.SCRATCH).exists()
+            found.append(hashes(folder))
+            manifests.append(manifest)
+            store.remove_tree(folder)
+    assert len(manifests[0]["splits"]["train"]["units"]) > 2 and len(found[0]) > 3
+    folder, old = by_datasets(monkeypatch, make(num_proc=2))
+    assert found[0] == found[1] == hashes(folder)
+    assert old["sources"] == manifests[0]["sources"]
+    for name, split in manifests[0]["splits"].items():
+        assert {k: v for k, v in split.items() if k != "units"} == {
+            k: v for k, v in old["splits"][name].items() if k != "units"
+        }
+    scratch = tmp_path / "scratch"
+    split = pipeline.ranges.plan(make().data, "train", scratch)
+    rows, places = pipeline.ranges.read(split.unit(slice(295, 305)), split.schema)
+    assert rows["text"][5:] == ["300.5", "301", "302.5", "303", "304.5"]  # '300.50', '0301'... in the file
+    assert rows["n"][5:] == [None, 301, 302, None, 304]
+    assert places[0] == f"{data}/train-1.{kind} row 296" and places[5] == f"{data}/train-2.{kind}.gz row 1"
+
+
+@pytest.mark.parametrize("case", ["fields", "cast"])
+def test_a_csv_file_that_cannot_be_read_is_named(tiny_model, tmp_path, monkeypatch, ray_cluster, case):
+    """A line of too many fields (pandas names it), a later chunk whose numbers are words (no cast to the first
+    chunk's ints): the preparation ends naming the file, and no prepared dataset is left."""
+    small_csv_chunks(monkeypatch)
+    no_driver_reading(monkeypatch)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rows = [f"row {n},{n}" for n in range(200)]
+    (folder / "train-1.csv").write_text("text,n\n" + "\n".join(rows[:100]) + "\n")
+    if case == "fields":
+        rows[150] = "row 150,150,extra"
+    else:
+        rows[160:] = [f"row {n},n{n}" for n in range(160, 200)]
+    bad = folder / "train-2.csv"
+    bad.write_text("text,n\n" + "\n".join(rows[100:]) + "\n")
+    cfg = config(tmp_path, tiny_model, dataset=str(folder), num_proc=2)
+    with pytest.raises(Problem) as caught:
+        pipeline.ensure(cfg)
+    assert caught.value.value == str(bad) and caught.value.message.startswith("cannot be read"), caught.value
+    if case == "fields":
+        assert "line 52" in caught.value.message, caught.value
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []
 
 
 @pytest.mark.parametrize("kind", ["text", "compressed", "saved"])

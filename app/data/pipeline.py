@@ -5,13 +5,14 @@ The key covers what changes the prepared bytes (the data files' identity, the to
 format, seq_length, packing, train_on_prompt, the splits, the preparation code's version) and nothing else, so
 every experiment over the same data and tokenizer shares one prepared dataset under `<storage>/prepared/<key>/`.
 A split is cut into units of UNIT_ROWS consecutive rows (app.data.encode); each unit is one row of a Ray Data
-dataset, encoded by an actor that loads the tokenizer once and writes the unit's arrays itself, so the bytes do
-not depend on how many CPUs, nodes or Ray Data blocks did the work. Local JSON Lines and text files (compressed or
-not), parquet files and save_to_disk folders are not read here: Ray tasks count their rows, the driver plans each
-unit as (file, rows) descriptors (the split expression, data.eval_fraction's holdout and a mixture's choice applied
-to row numbers) and the actor reads its own rows (app.data.ranges), naming a bad row by the file and line of its
-descriptor. What app.data.ranges leaves to `datasets` (hub names, csv/tsv, a saved dataset with a format...) is read
-here (app.data.sources.load_split) and each unit's rows are sent as Arrow.
+dataset, encoded by an actor that loads the tokenizer once and writes the unit's arrays itself, so the bytes do not
+depend on how many CPUs, nodes or Ray Data blocks did the work. Local JSON Lines and text files (compressed or not),
+parquet and csv/tsv files and save_to_disk folders are not read here: Ray tasks count their rows, the driver plans
+each unit as (file, rows) descriptors (the split expression, data.eval_fraction's holdout and a mixture's choice
+applied to row numbers) and the actor reads its own rows (app.data.ranges), naming a bad row by the file and line of
+its descriptor (csv/tsv files are parsed whole by a Ray task a file into Arrow files under the temporary folder,
+app.data.csvrows, removed before it is published). What app.data.ranges leaves to `datasets` (hub names, a saved
+dataset with a format...) is read here (app.data.sources.load_split) and each unit's rows are sent as Arrow.
 The folder is written under a temporary name and renamed once its manifest is in: a preparation that fails or is
 killed leaves nothing a later run reads.
 """
@@ -64,6 +65,8 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 PROGRESS_EVERY_S = 10.0
+SCRATCH = "csv-rows"  # in the temporary folder: csv/tsv files converted to Arrow (app.data.csvrows), removed before
+# the folder is published
 log = logging.getLogger("finetune")
 
 
@@ -208,13 +211,13 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
     started = time.time()
     tokenizer = load_tokenizer(cfg.model)
     named = bool(cfg.data.datasets)  # a mixture's log lines say which source they are about
-    sources = [read_source(d, weight, cfg.train.seed, named) for d, weight in cfg.data.sources()]
-    for source in sources:  # a hub dataset's columns are first seen here
-        if found := pairs.format_problems(source.data, source.fmt, cfg.preference is not None):
-            raise found[0]
-    mix(sources, cfg.train.seed)
     tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        sources = [read_source(d, weight, cfg.train.seed, named, tmp / SCRATCH) for d, weight in cfg.data.sources()]
+        for source in sources:  # a hub dataset's columns are first seen here
+            if found := pairs.format_problems(source.data, source.fmt, cfg.preference is not None):
+                raise found[0]
+        mix(sources, cfg.train.seed)
         for source in sources:
             train = source.splits["train"][0]
             if len(train) and (
@@ -223,6 +226,7 @@ def prepare(cfg: TrainingConfig, folder: Path) -> dict[str, Any]:
                 raise problem
         names = ["train"] + (["eval"] if any("eval" in source.splits for source in sources) else [])
         results = {name: run_split(cfg, sources, name, tmp, tokenizer) for name in names}
+        remove_tree(tmp / SCRATCH)  # csv/tsv rows as Arrow, read by the units: no part of the prepared dataset
         no_training_sequence(cfg.data, results["train"])
         layouts = {layout_of(source.fmt, cfg.data.packing) for source in sources}
         manifest = {
@@ -287,12 +291,12 @@ def locator(d: DataConfig, split: str | None = None):
     return functools.partial(row_location, d.dataset, split or d.split, config=d.config_name)
 
 
-def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) -> Source:
-    """A source's splits, planned by row range (app.data.ranges: the actors read the rows) or else read by
-    `datasets` here, its format, and its eval rows (data.eval_split, or data.eval_fraction of its split, picked by
-    the seed)."""
-    raw = split_of(d, d.split)
-    evalset = split_of(d, d.eval_split) if d.eval_split else None
+def read_source(d: DataConfig, weight: float, seed: int, named: bool = False, scratch: Path | None = None) -> Source:
+    """A source's splits, planned by row range (app.data.ranges: the actors read the rows; csv/tsv files converted
+    to Arrow files under `scratch`) or else read by `datasets` here, its format, and its eval rows (data.eval_split,
+    or data.eval_fraction of its split, picked by the seed)."""
+    raw = split_of(d, d.split, scratch)
+    evalset = split_of(d, d.eval_split, scratch) if d.eval_split else None
     fmt = format_of(d, raw.column_names)
     log.info(
         f"data format: {fmt}"
@@ -311,8 +315,8 @@ def read_source(d: DataConfig, weight: float, seed: int, named: bool = False) ->
     return Source(d, weight, fmt, splits, read)
 
 
-def split_of(d: DataConfig, expression: str):
-    planned = ranges.plan(d, expression)
+def split_of(d: DataConfig, expression: str, scratch: Path | None = None):
+    planned = ranges.plan(d, expression, scratch)
     return planned if planned is not None else load_split(d, expression)
 
 

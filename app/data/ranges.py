@@ -2,23 +2,26 @@
 Lines or text file's lines, an Arrow file's record batches) and plans units as (file, rows) descriptors; the actor
 that encodes a unit reads its own rows, so no row passes through the driver or the object store.
 
-Read this way: local JSON Lines (.json, .jsonl, .ndjson), plain-text (.txt, app.data.textrows) and parquet files,
-the JSON Lines and text ones compressed (.gz, .bz2, .xz) or not, split and sliced as `datasets` does
+Read this way: local JSON Lines (.json, .jsonl, .ndjson), plain-text (.txt, app.data.textrows), parquet and csv/tsv
+files, the JSON Lines, text and csv/tsv ones compressed (.gz, .bz2, .xz) or not, split and sliced as `datasets` does
 (`train[:10%]+validation`, by datasets' own ReadInstruction); save_to_disk folders (app.data.saved); and any of them
 with data.eval_fraction held out and a mixture's choice applied to the planned row numbers (app.data.pipeline). The
 rows are the values `datasets` gives: parquet is cast to its first file's features, JSON Lines parsed against the
 schema `datasets` infers from the split's first chunk (10 MB of its first file) and cast as datasets casts later
-chunks, text is a `text` column of strings. A compressed file cannot be seeked: its count is one Ray task that
-decompresses it whole, and each unit decompresses it up to its own rows (skipping what comes before unparsed), so
-a unit's rows, and so its bytes, are those of the uncompressed file whatever the parallelism; an actor keeps the
-file open where its last unit ended (app.data.files.lines_from), so the run of consecutive units Ray Data gives it
-decompresses the file once, and only a unit behind the handle starts from the file's start again. (Whole-file
-units would have cut the split elsewhere than every 4,096 rows: other packing groups, other bytes.)
+chunks, text is a `text` column of strings, csv/tsv are parsed by pandas in datasets' chunks and cast to the split's
+first chunk's types. A csv/tsv file cannot be parsed a unit at a time (a row's values depend on the first chunk's
+types, which only parsing from the file's start gives): its count is one Ray task that parses it whole as `datasets`
+does and writes it as an Arrow file in the preparation's temporary folder (app.data.csvrows), whose rows the units
+read (plan's scratch; without one, csv/tsv is left to `datasets`). A compressed file cannot be seeked: its count is
+one Ray task that decompresses it whole, and each unit decompresses it up to its own rows (skipping what comes
+before unparsed), so a unit's rows, and so its bytes, are those of the uncompressed file whatever the parallelism;
+an actor keeps the file open where its last unit ended (app.data.files.lines_from), so the run of consecutive units
+Ray Data gives it decompresses the file once, and only a unit behind the handle starts from the file's start again.
+(Whole-file units would have cut the split elsewhere than every 4,096 rows: other packing groups, other bytes.)
 Left to `datasets` in the driver (app.data.sources.load_split), each for a reason: hub names (no local files to
-count: the hub's download and cache are `datasets`' own), csv/tsv (pandas reads them in chunks of 10,000 rows
-whose column types each chunk infers: a unit would need its chunk's types, which only parsing from the file's start
-gives), a save_to_disk folder saved with a format or read with several splits, a file that is one JSON document or
-whose first chunk `datasets` would re-encode as JSON strings (mixed struct types).
+count: the hub's download and cache are `datasets`' own), a save_to_disk folder saved with a format or read with
+several splits, a file that is one JSON document or whose first chunk `datasets` would re-encode as JSON strings
+(mixed struct types), csv/tsv splits read together whose first chunks' types differ.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import codecs
 import io
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +38,17 @@ from typing import Any
 import numpy as np
 
 from app.config import DataConfig
-from app.data import chat, saved, textrows
-from app.data.files import is_local, kind_of, lines_from, open_data, saved_dataset, split_files, split_names
+from app.data import chat, csvrows, saved, textrows
+from app.data.files import (
+    CSV_SEPARATORS,
+    is_local,
+    kind_of,
+    lines_from,
+    open_data,
+    saved_dataset,
+    split_files,
+    split_names,
+)
 from app.errors import Problem
 
 STRIDE = 1024  # a JSON Lines or text file's rows between two anchors (row, byte offset, line) its count records
@@ -52,6 +65,7 @@ class FileRows:
     kind: str
     rows: int
     anchors: list[tuple[int, int, int]]
+    origin: str = ""  # a csv/tsv file's own path (`file` is its rows converted to Arrow: app.data.csvrows)
 
 
 def count(file: str, kind: str) -> FileRows:
@@ -141,8 +155,10 @@ def _remote(fn, calls: list[tuple]) -> list:
     return ray.get([task.remote(*call) for call in calls])
 
 
-def plan(d: DataConfig, expression: str) -> Ranged | None:
-    """The split `expression` of a source as a Ranged, counted by Ray tasks; None for what `datasets` reads."""
+def plan(d: DataConfig, expression: str, scratch: Path | None = None) -> Ranged | None:
+    """The split `expression` of a source as a Ranged, counted by Ray tasks; None for what `datasets` reads. csv/tsv
+    files are converted to Arrow files under `scratch` (the preparation's temporary folder), read by datasets
+    without one."""
     if not is_local(d.dataset):
         return None
     path = Path(os.path.expanduser(d.dataset))
@@ -155,16 +171,22 @@ def plan(d: DataConfig, expression: str) -> Ranged | None:
     given = {name: by_split[name] for name in names}
     files = [f for fs in given.values() for f in fs]
     kinds = {kind_of(f) for f in files}
-    if not files or len(kinds) != 1 or kinds - {"json", "parquet", "text"}:
+    if not files or len(kinds) != 1 or kinds - {"json", "parquet", "text", *CSV_SEPARATORS}:
         return None
     kind = kinds.pop()
+    if kind in CSV_SEPARATORS:
+        return _plan_csv(given, kind, expression, scratch) if scratch is not None else None
     surveyed = _remote(survey, [(f, kind, n == 0) for n, f in enumerate(files)])
     counted, schema = [c for c, _ in surveyed], surveyed[0][1]
     if schema is None or None in counted:
         return None
+    return _ranged(given, dict(zip(files, counted)), schema, expression)
+
+
+def _ranged(given: dict[str, list[str]], by_file: dict[str, FileRows], schema, expression: str) -> Ranged | None:
+    """The split expression over these splits' counted files (by_file: each file's count, by its name)."""
     from datasets.arrow_reader import ReadInstruction
 
-    by_file = dict(zip(files, counted))
     sizes = {name: sum(by_file[f].rows for f in fs) for name, fs in given.items()}
     try:
         instructions = ReadInstruction.from_spec(expression).to_absolute(sizes)
@@ -174,6 +196,28 @@ def plan(d: DataConfig, expression: str) -> Ranged | None:
     for ins in instructions:
         spans += _spans([by_file[f] for f in given[ins.splitname]], ins.from_, ins.to)
     return Ranged(list(by_file.values()), schema, spans)
+
+
+def _plan_csv(given: dict[str, list[str]], kind: str, expression: str, scratch: Path) -> Ranged | None:
+    """csv/tsv files (app.data.csvrows): each split's schema from its first chunk (one Ray task a split; splits of
+    other schemas are left to `datasets`), then each file converted to an Arrow file under `scratch` by a Ray task;
+    a file that cannot be read ends the preparation with its name."""
+    opts = csvrows.options(kind)
+    firsts = _remote(csvrows.first_schema, [(fs, opts) for fs in given.values()])
+    for _, file, reason in firsts:
+        if file is not None:
+            raise Problem("data.dataset", file, f"cannot be read: {reason}", "fix the file")
+    schema = firsts[0][0]
+    if schema is None or any(s is None or not s.equals(schema) for s, _, _ in firsts):
+        return None  # no row at all, or splits read together whose schemas differ: datasets' own reading
+    files = list(dict.fromkeys(f for fs in given.values() for f in fs))
+    outs = [str(scratch / f"{uuid.uuid4().hex[:12]}-{n}.arrow") for n in range(len(files))]
+    converted = _remote(csvrows.convert, [(f, opts, schema, out) for f, out in zip(files, outs)])
+    for file, (_, reason) in zip(files, converted):
+        if reason is not None:
+            raise Problem("data.dataset", file, f"cannot be read: {reason}", "fix the file")
+    by_file = {f: FileRows(out, "csv", rows, [], f) for f, out, (rows, _) in zip(files, outs, converted)}
+    return _ranged(given, by_file, schema, expression)
 
 
 def _spans(files: list[FileRows], lo: int, hi: int) -> list[tuple[str, int, int]]:
@@ -246,6 +290,7 @@ class Ranged:
                     "kind": counted[file].kind,
                     "rows": compact(found),
                     "anchor": anchors[int(found[0]) // STRIDE] if anchors else None,
+                    "origin": counted[file].origin,
                 }
             )
         return {"numbers": compact(numbers), "numbered": self.numbered, "parts": parts}
@@ -369,7 +414,14 @@ def _arrow(part: dict[str, Any], schema):
     return saved.read(part, schema, expand(part["rows"]))
 
 
-READERS = {"parquet": _parquet, "json": _json, "text": _text, "arrow": _arrow}  # a part's kind: its reader
+def _csv(part: dict[str, Any], schema):
+    """A csv/tsv file's rows from its Arrow conversion, named by the csv file and its row (header not counted)."""
+    wanted = expand(part["rows"])
+    table, _ = saved.read(part, schema, wanted)
+    return table, [f"{part['origin']} row {r + 1}" for r in wanted]
+
+
+READERS = {"parquet": _parquet, "json": _json, "text": _text, "arrow": _arrow, "csv": _csv}  # a part's kind: its reader
 
 
 class Where:
