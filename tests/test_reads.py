@@ -73,6 +73,36 @@ def saved_chat(folder: Path) -> Path:
     return folder
 
 
+def prepared_alike(monkeypatch, make, check) -> None:
+    """1 and 2 Ray Data actors, with no split read by the driver, write the files that the driver's `datasets`
+    reading writes, with the same manifest counts; `check` looks at each prepared folder before it is removed."""
+    found, manifests = [], []
+    with monkeypatch.context() as m:
+        no_driver_reading(m)
+        for cpus in (1, 2):
+            folder, manifest = pipeline.ensure(make(num_proc=cpus))
+            check(folder)
+            found.append(hashes(folder))
+            manifests.append(manifest)
+            store.remove_tree(folder)
+    assert len(manifests[0]["splits"]["train"]["units"]) > 2 and len(found[0]) > 3
+    folder, old = by_datasets(monkeypatch, make(num_proc=2))
+    assert found[0] == found[1] == hashes(folder)
+    assert old["sources"] == manifests[0]["sources"]
+    for name, split in manifests[0]["splits"].items():
+        assert {k: v for k, v in split.items() if k != "units"} == {
+            k: v for k, v in old["splits"][name].items() if k != "units"
+        }
+
+
+def not_kept(folder: Path) -> None:
+    assert not files._kept  # the driver closed the compressed files it read (the first row)
+
+
+def no_scratch(folder: Path) -> None:
+    assert not (folder / pipeline.SCRATCH).exists()  # the csv files' Arrow copies are not published
+
+
 @pytest.mark.parametrize("case", ["text", "compressed_eval_fraction", "saved"])
 def test_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
     tiny_model, tmp_path, monkeypatch, ray_cluster, case
@@ -90,23 +120,7 @@ def test_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
         data = str(compressed_chat(tmp_path / "gz"))
         make = lambda **f: chat_config(tmp_path, tiny_model, dataset=data, eval_fraction=0.1, **f)  # noqa: E731
     assert pipeline.ranges.plan(make().data, "train") is not None
-    found, manifests = [], []
-    with monkeypatch.context() as m:
-        no_driver_reading(m)
-        for cpus in (1, 2):
-            folder, manifest = pipeline.ensure(make(num_proc=cpus))
-            assert not files._kept  # the driver closed the compressed files it read (the first row)
-            found.append(hashes(folder))
-            manifests.append(manifest)
-            store.remove_tree(folder)
-    assert len(manifests[0]["splits"]["train"]["units"]) > 2 and len(found[0]) > 3
-    folder, old = by_datasets(monkeypatch, make(num_proc=2))
-    assert found[0] == found[1] == hashes(folder)
-    assert old["sources"] == manifests[0]["sources"]
-    for name, split in manifests[0]["splits"].items():
-        assert {k: v for k, v in split.items() if k != "units"} == {
-            k: v for k, v in old["splits"][name].items() if k != "units"
-        }
+    prepared_alike(monkeypatch, make, not_kept)
 
 
 CSV_CHUNK = 40  # pandas' chunk of rows, for datasets' reading and app.data.csvrows' alike (datasets': 10,000)
@@ -160,23 +174,7 @@ def test_csv_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
     fields = {"eval_fraction": 0.1} if kind == "csv" else {"split": "train[10:]"}
     make = lambda **f: config(tmp_path, tiny_model, dataset=data, **fields, **f)  # noqa: E731
     assert pipeline.ranges.plan(make().data, "train") is None  # without a temporary folder: left to datasets
-    found, manifests = [], []
-    with monkeypatch.context() as m:
-        no_driver_reading(m)
-        for cpus in (1, 2):
-            folder, manifest = pipeline.ensure(make(num_proc=cpus))
-            assert not (folder / pipeline.SCRATCH).exists()
-            found.append(hashes(folder))
-            manifests.append(manifest)
-            store.remove_tree(folder)
-    assert len(manifests[0]["splits"]["train"]["units"]) > 2 and len(found[0]) > 3
-    folder, old = by_datasets(monkeypatch, make(num_proc=2))
-    assert found[0] == found[1] == hashes(folder)
-    assert old["sources"] == manifests[0]["sources"]
-    for name, split in manifests[0]["splits"].items():
-        assert {k: v for k, v in split.items() if k != "units"} == {
-            k: v for k, v in old["splits"][name].items() if k != "units"
-        }
+    prepared_alike(monkeypatch, make, no_scratch)
     scratch = tmp_path / "scratch"
     split = pipeline.ranges.plan(make().data, "train", scratch)
     rows, places = pipeline.ranges.read(split.unit(slice(295, 305)), split.schema)
