@@ -5,15 +5,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -31,7 +25,6 @@ CLI_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
 }
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 @pytest.fixture(scope="session")
@@ -69,105 +62,6 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 600, cwd: Path
     return subprocess.run(
         [sys.executable, "-m", "app.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- Ray clusters started with `ray start` (tests/test_multinode.py's nodes, and the `ray_head` fixture) -----------
-
-
-def own_ports() -> list[str]:
-    # Every port of its own: several raylets share this host (as pods would share none), and three test files run
-    # at once (make test), each with its own head.
-    return [
-        f"--{flag}={free_port()}"
-        for flag in (
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "metrics-export-port",
-            "runtime-env-agent-port",
-        )
-    ]
-
-
-class Node:
-    def __init__(self, args: list[str], log: Path, env: dict):
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", *args, *own_ports()],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def stop(self) -> None:
-        self.proc.terminate()  # `ray start --block` stops what it started
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-
-
-def start_head(stack: ExitStack, port: int, cpus: int, temp: Path, tmp_path: Path, env: dict) -> Node:
-    """The head node (KubeRay's head pod), stopped and its temp folder removed when `stack` closes."""
-    # The Ray client server's port too: its default (10001) is one per host.
-    head = Node(
-        ["--head", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false", f"--temp-dir={temp}"]
-        + [f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}"],
-        tmp_path / "head.log",
-        env,
-    )
-    stack.callback(shutil.rmtree, temp, ignore_errors=True)
-    stack.callback(head.stop)
-    return head
-
-
-def wait_for_cpus(address: str, cpus: int, env: dict, nodes: list[Node]) -> None:
-    deadline = time.time() + 180
-    probe = (
-        f"import ray; ray.init(address='{address}', log_to_driver=False); "
-        f"print(int(ray.cluster_resources().get('CPU', 0)))"
-    )
-    while True:
-        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-        if out.returncode == 0 and out.stdout.strip().splitlines()[-1] == str(cpus):
-            return
-        assert time.time() < deadline and all(n.proc.poll() is None for n in nodes), out.stderr[-2000:]
-        time.sleep(2)
-
-
-def cluster_env() -> dict[str, str]:
-    """The environment of a `ray start` node and of the drivers that join it: CLI_ENV's (CPU DeepSpeed, no usage
-    stats), with token auth on, as the chart's RayCluster has it (KubeRay injects these into every Ray container)."""
-    env = {**os.environ, **CLI_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-# A local run here gets max(2 cores, 2 workers + 1) = 3 CPUs (app/driver.py start_ray); every run of the files
-# that share a head has at most 2 workers of 1 CPU.
-HEAD_CPUS = 3
-
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory) -> Iterator[dict[str, str]]:
-    """One Ray head (`ray start --head`) for a test file's training runs; yields what run_cli's `env` needs to join
-    it (RAY_ADDRESS and the token). A run that starts its own local cluster spends most of its CPU time starting
-    and stopping Ray's processes (GCS, raylet, agents); joined to one head, the file's runs start only their own
-    driver and workers. Used by the files whose tests are not about the local cluster itself (each says so);
-    stopped, leaving no process, when the file ends."""
-    env = cluster_env()
-    port = free_port()
-    temp = Path(tempfile.mkdtemp(prefix="rh-", dir="/tmp"))  # Ray's socket paths must stay short
-    with ExitStack() as stack:
-        head = start_head(stack, port, HEAD_CPUS, temp, tmp_path_factory.mktemp("ray-head"), env)
-        wait_for_cpus(f"127.0.0.1:{port}", HEAD_CPUS, env, [head])
-        yield {"RAY_ADDRESS": f"127.0.0.1:{port}", **{k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}}
 
 
 # The start of a run_engine_script program: one CPU process as rank 0 of a gloo group on the port it is given, the
@@ -237,8 +131,11 @@ def resumed(first, again, path, state):
 def run_engine_script(script: str, model: Path, folder: Path, plan: list) -> dict:
     """`script` (a test's engine program, single-process DeepSpeed on a free port) over `model`, writing under
     `folder`, given `plan` as JSON; the dict it prints after "RESULT "."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
     done = subprocess.run(
-        [sys.executable, "-c", script, str(model), str(free_port()), str(folder), json.dumps(plan)],
+        [sys.executable, "-c", script, str(model), port, str(folder), json.dumps(plan)],
         capture_output=True,
         text=True,
         timeout=600,

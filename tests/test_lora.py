@@ -22,16 +22,16 @@ CHAT = {
 }
 
 
-def train(storage: Path, name: str, model: Path, env: dict, **extra) -> str:
-    result = run_cli("train", *tiny_overrides(storage, name, model, **{**CHAT, **extra}), env=env)
+def train(storage: Path, name: str, model: Path, **extra) -> str:
+    result = run_cli("train", *tiny_overrides(storage, name, model, **{**CHAT, **extra}))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout + result.stderr
 
 
-def stop_and_resume(storage: Path, model: Path, env: dict, **extra) -> tuple[str, str]:
+def stop_and_resume(storage: Path, model: Path, **extra) -> tuple[str, str]:
     """The run stopped after step 3, then resumed by a new driver (exporting final/ at its end)."""
-    stopped = train(storage, "resumed", model, env, **extra, **{"train.stop_after_steps": 3})
-    resumed = train(storage, "resumed", model, env, **extra, **{"checkpoint.export_final": True})
+    stopped = train(storage, "resumed", model, **extra, **{"train.stop_after_steps": 3})
+    resumed = train(storage, "resumed", model, **extra, **{"checkpoint.export_final": True})
     return stopped, resumed
 
 
@@ -43,12 +43,11 @@ def assert_resumed_exactly(storage: Path, resumed: str) -> None:
     assert worst <= 1e-5, {s: (full[s], part[s]) for s in range(4, 9)}
 
 
-# The runs join one Ray head (conftest's ray_head): what is tested here is the training, not the local cluster.
 @pytest.fixture(scope="module")
-def zero3(tmp_path_factory, tiny_model, ray_head):
+def zero3(tmp_path_factory, tiny_model):
     storage = tmp_path_factory.mktemp("storage")
-    full = train(storage, "full", tiny_model, ray_head)
-    return storage, full, *stop_and_resume(storage, tiny_model, ray_head)
+    full = train(storage, "full", tiny_model)
+    return storage, full, *stop_and_resume(storage, tiny_model)
 
 
 def test_only_the_adapters_train_and_are_checkpointed(zero3, tiny_model):
@@ -121,10 +120,10 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
         ),
     ],
 )
-def test_other_stages_resume_exactly(stage, tmp_path, tiny_model, ray_head):
-    full = train(tmp_path, "full", tiny_model, ray_head, **stage)
+def test_other_stages_resume_exactly(stage, tmp_path, tiny_model):
+    full = train(tmp_path, "full", tiny_model, **stage)
     assert "parameters train" in full
-    _, resumed = stop_and_resume(tmp_path, tiny_model, ray_head, **stage)
+    _, resumed = stop_and_resume(tmp_path, tiny_model, **stage)
     assert_resumed_exactly(tmp_path, resumed)
     assert (tmp_path / "resumed" / "final" / "adapter" / "adapter_config.json").exists()
 

@@ -5,17 +5,92 @@ then one node goes away and the experiment resumes on the other alone (a world-s
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from conftest import Node, cluster_env, free_port, run_cli, start_head, tiny_overrides, wait_for_cpus
+from conftest import CLI_ENV, run_cli, tiny_overrides
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def own_ports() -> list[str]:
+    # Every port of its own: several raylets share this host, as pods would share none.
+    return [
+        f"--{flag}={free_port()}"
+        for flag in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+        )
+    ]
+
+
+class Node:
+    def __init__(self, args: list[str], log: Path, env: dict):
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1", *args, *own_ports()],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self) -> None:
+        self.proc.terminate()  # `ray start --block` stops what it started
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def start_head(stack: ExitStack, port: int, cpus: int, temp: Path, tmp_path: Path, env: dict) -> Node:
+    """The head node (KubeRay's head pod), stopped and its temp folder removed when `stack` closes."""
+    head = Node(
+        ["--head", f"--port={port}", f"--num-cpus={cpus}", "--include-dashboard=false", f"--temp-dir={temp}"],
+        tmp_path / "head.log",
+        env,
+    )
+    stack.callback(shutil.rmtree, temp, ignore_errors=True)
+    stack.callback(head.stop)
+    return head
+
+
+def wait_for_cpus(address: str, cpus: int, env: dict, nodes: list[Node]) -> None:
+    deadline = time.time() + 180
+    probe = (
+        f"import ray; ray.init(address='{address}', log_to_driver=False); "
+        f"print(int(ray.cluster_resources().get('CPU', 0)))"
+    )
+    while True:
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        if out.returncode == 0 and out.stdout.strip().splitlines()[-1] == str(cpus):
+            return
+        assert time.time() < deadline and all(n.proc.poll() is None for n in nodes), out.stderr[-2000:]
+        time.sleep(2)
 
 
 @pytest.mark.slow  # three raylets on a 2-core CI machine: about 2 minutes, and sensitive to a loaded host
 def test_two_nodes_checkpoint_then_resume_on_one(tiny_model, tmp_path):
-    env = cluster_env()
+    # Token auth on, as the chart's RayCluster has it (KubeRay injects these into every Ray container).
+    env = {**os.environ, **CLI_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("RAY_ADDRESS", None)
     port = free_port()
     address = f"127.0.0.1:{port}"
     temp = Path(tempfile.mkdtemp(prefix="rmn-", dir="/tmp"))  # Ray's socket paths must stay short
@@ -76,7 +151,8 @@ def test_preparation_runs_on_every_node_of_the_cluster(tiny_model, tmp_path):
 
     from conftest import CORPUS
 
-    env = cluster_env()
+    env = {**os.environ, **CLI_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env.pop("RAY_ADDRESS", None)
     port = free_port()
     address = f"127.0.0.1:{port}"
     temp = Path(tempfile.mkdtemp(prefix="rmp-", dir="/tmp"))

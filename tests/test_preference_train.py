@@ -51,7 +51,7 @@ def pairs_file(tmp_path_factory) -> Path:
     return write_rows(tmp_path_factory.mktemp("data") / "pairs.jsonl", preference_rows(240, seed=1))
 
 
-def train(storage: Path, name: str, model: Path, pairs: Path, env: dict, expect: int = 0, **extra) -> str:
+def train(storage: Path, name: str, model: Path, pairs: Path, env: dict | None = None, expect: int = 0, **extra) -> str:
     values = {
         "data.dataset": str(pairs),
         "data.seq_length": 160,
@@ -67,10 +67,10 @@ def train(storage: Path, name: str, model: Path, pairs: Path, env: dict, expect:
     return result.stdout + result.stderr
 
 
-def preempted(storage: Path, name: str, model: Path, pairs: Path, env: dict, **extra) -> str:
+def preempted(storage: Path, name: str, model: Path, pairs: Path, **extra) -> str:
     """A deploy preempted mid-epoch: a real SIGTERM to the last rank after step STOP; every rank saves that step,
     the run exits 4 with the preempted line, and no later step ran."""
-    out = train(storage, name, model, pairs, {**env, "FINETUNE_FAULT_SIGTERM_AT_STEP": str(STOP)}, expect=4, **extra)
+    out = train(storage, name, model, pairs, env={"FINETUNE_FAULT_SIGTERM_AT_STEP": str(STOP)}, expect=4, **extra)
     assert f"sends itself 1 SIGTERM after step {STOP}" in out and int(preempted_line(out)[1]) == STOP, out[-3000:]
     assert max(losses(storage / name)) == STOP and not (storage / name / ".lease").exists()
     return out
@@ -110,10 +110,8 @@ def assert_resumed_exactly(storage: Path, resumed: str, stopped_at: int = STOP) 
     assert worst <= 1e-5, {s: (full[s], part[s]) for s in range(stopped_at + 1, STEPS + 1)}
 
 
-# The runs join one Ray head (conftest's ray_head): the SIGTERMs here go to a worker (a node drain), never to the
-# driver, and nothing is about the local cluster's start.
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory, tiny_llama, pairs_file, ray_head):
+def lora(tmp_path_factory, tiny_llama, pairs_file):
     """DPO with LoRA under ZeRO-3, packed pairs, an eval split: one uninterrupted run (a checkpoint every STOP steps,
     the background write of step STOP's held for HELD seconds), and one preempted after step STOP and redeployed,
     which exports final/."""
@@ -123,10 +121,10 @@ def lora(tmp_path_factory, tiny_llama, pairs_file, ray_head):
         "data.eval_fraction": 0.05,
         "train.eval_every_steps": 6,
     }
-    held = {**ray_head, "FINETUNE_FAULT_SAVE_PAUSE": f"mid_shards:{HELD}:{STOP}"}
-    full = train(storage, "full", tiny_llama, pairs_file, held, **extra, **{"checkpoint.every_steps": STOP})
-    preempted(storage, "resumed", tiny_llama, pairs_file, ray_head, **extra)
-    resumed = train(storage, "resumed", tiny_llama, pairs_file, ray_head, **extra, **{"checkpoint.export_final": True})
+    held = {"FINETUNE_FAULT_SAVE_PAUSE": f"mid_shards:{HELD}:{STOP}"}
+    full = train(storage, "full", tiny_llama, pairs_file, env=held, **extra, **{"checkpoint.every_steps": STOP})
+    preempted(storage, "resumed", tiny_llama, pairs_file, **extra)
+    resumed = train(storage, "resumed", tiny_llama, pairs_file, **extra, **{"checkpoint.export_final": True})
     return storage, full, resumed
 
 
@@ -181,25 +179,25 @@ def reference_files(storage: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def full_zero2(tmp_path_factory, tiny_llama, pairs_file, ray_head):
+def full_zero2(tmp_path_factory, tiny_llama, pairs_file):
     """DPO full fine-tuning under ZeRO-2, unpacked pairs: preempted after step STOP (its reference pass stored);
     a copy of that storage redeployed on one worker; the experiment redeployed (exporting final/); an uninterrupted
     run of another experiment over the same data and model. The reference's files are taken before each redeploy."""
     storage, copy = tmp_path_factory.mktemp("storage"), tmp_path_factory.mktemp("one-worker")
     extra = {"deepspeed.zero_optimization.stage": 2, "data.packing": False, "train.learning_rate": 1e-3}
-    stopped = preempted(storage, "resumed", tiny_llama, pairs_file, ray_head, **extra)
+    stopped = preempted(storage, "resumed", tiny_llama, pairs_file, **extra)
     shutil.copytree(storage, copy, symlinks=True, dirs_exist_ok=True)
     stored = {"storage": reference_files(storage), "copy": reference_files(copy)}
-    resumed = train(storage, "resumed", tiny_llama, pairs_file, ray_head, **extra, **{"checkpoint.export_final": True})
-    full = train(storage, "full", tiny_llama, pairs_file, ray_head, **extra)
+    resumed = train(storage, "resumed", tiny_llama, pairs_file, **extra, **{"checkpoint.export_final": True})
+    full = train(storage, "full", tiny_llama, pairs_file, **extra)
     return storage, stopped, resumed, full, extra, stored, copy
 
 
 @pytest.fixture(scope="module")
-def one_worker(full_zero2, tiny_llama, pairs_file, ray_head):
+def one_worker(full_zero2, tiny_llama, pairs_file):
     """The copy of the preempted experiment redeployed on one worker instead of two."""
     extra, copy = full_zero2[4], full_zero2[6]
-    return train(copy, "resumed", tiny_llama, pairs_file, ray_head, **extra, **{"scaling.num_workers": 1})
+    return train(copy, "resumed", tiny_llama, pairs_file, **extra, **{"scaling.num_workers": 1})
 
 
 def test_full_fine_tuning_learns_against_the_stored_reference(full_zero2):
@@ -253,8 +251,8 @@ def test_full_fine_tuning_resumes_on_another_number_of_workers(full_zero2, one_w
 
 
 @pytest.mark.slow  # one more run of full fine-tuning, under ZeRO-3
-def test_full_fine_tuning_learns_under_zero3(tmp_path, tiny_llama, pairs_file, ray_head):
-    out = train(tmp_path, "full", tiny_llama, pairs_file, ray_head, **{"train.learning_rate": 1e-3})
+def test_full_fine_tuning_learns_under_zero3(tmp_path, tiny_llama, pairs_file):
+    out = train(tmp_path, "full", tiny_llama, pairs_file, **{"train.learning_rate": 1e-3})
     assert "ZeRO-3" in out and "reference log-probabilities of 480 answers" in out
     start, end = assert_learns(tmp_path / "full")
     print(f"full fine-tuning ZeRO-3: margin {start:.3f} -> {end:.3f}")
@@ -262,9 +260,9 @@ def test_full_fine_tuning_learns_under_zero3(tmp_path, tiny_llama, pairs_file, r
 
 @pytest.mark.slow  # a run per loss
 @pytest.mark.parametrize("loss", ["ipo", "simpo", "orpo"])
-def test_the_other_losses_learn_the_preference(tmp_path, tiny_llama, pairs_file, loss, ray_head):
+def test_the_other_losses_learn_the_preference(tmp_path, tiny_llama, pairs_file, loss):
     extra = {"preference.loss": loss, "model.lora": "{r: 8, alpha: 16}", "deepspeed.zero_optimization.stage": 2}
-    out = train(tmp_path, "full", tiny_llama, pairs_file, ray_head, **extra)
+    out = train(tmp_path, "full", tiny_llama, pairs_file, **extra)
     steps = records(tmp_path / "full")
     last = [steps[s] for s in range(STEPS - 2, STEPS + 1)]
     assert all(r["rewards/accuracies"] >= 0.9 for r in last), (out[-2000:], last)
@@ -274,15 +272,15 @@ def test_the_other_losses_learn_the_preference(tmp_path, tiny_llama, pairs_file,
 
 
 @pytest.mark.slow  # two more runs
-def test_a_reference_model_path_gives_what_the_adapters_switched_off_give(tmp_path, tiny_llama, pairs_file, ray_head):
+def test_a_reference_model_path_gives_what_the_adapters_switched_off_give(tmp_path, tiny_llama, pairs_file):
     """The base weights as LoRA's own reference (the adapters off, at each step) and loaded from another folder for
     a pass before training (partitioned under ZeRO-3, then freed): the same per-step losses."""
     import shutil
 
     copy = shutil.copytree(tiny_llama, tmp_path / "reference-model")
     extra = {"model.lora": "{r: 8, alpha: 16}", "train.max_steps_per_epoch": 6}
-    train(tmp_path, "auto", tiny_llama, pairs_file, ray_head, **extra)
-    out = train(tmp_path, "path", tiny_llama, pairs_file, ray_head, **extra, **{"preference.reference": str(copy)})
+    train(tmp_path, "auto", tiny_llama, pairs_file, **extra)
+    out = train(tmp_path, "path", tiny_llama, pairs_file, **extra, **{"preference.reference": str(copy)})
     assert f"reference log-probabilities of 480 answers ({copy})" in out, out[-3000:]
     auto, path = losses(tmp_path / "auto"), losses(tmp_path / "path")
     assert sorted(auto) == sorted(path) == list(range(1, 7))

@@ -47,8 +47,8 @@ ONE = {"scaling.num_workers": 1}
 TOL = 1e-4
 
 
-def train(storage: Path, name: str, model: Path, env: dict, **sets) -> str:
-    result = run_cli("train", *tiny_overrides(storage, name, model, **sets), env=env)
+def train(storage: Path, name: str, model: Path, **sets) -> str:
+    result = run_cli("train", *tiny_overrides(storage, name, model, **sets))
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-8000:]
     return out
@@ -77,33 +77,32 @@ def assert_same(expected: dict[int, dict], got: dict[int, dict], keys: tuple[str
 
 
 @pytest.fixture(scope="module")
-def text_runs(tmp_path_factory, tiny_model, ray_head):
+def text_runs(tmp_path_factory, tiny_model):
     storage = tmp_path_factory.mktemp("sp-text")
-    one = train(storage, "one", tiny_model, ray_head, **TEXT, **ONE)
-    sp = train(storage, "sp", tiny_model, ray_head, **TEXT, **SP)
+    one = train(storage, "one", tiny_model, **TEXT, **ONE)
+    sp = train(storage, "sp", tiny_model, **TEXT, **SP)
     return storage, one, sp
 
 
 @pytest.fixture(scope="module")
-def chat_runs(tmp_path_factory, tiny_model, ray_head):
+def chat_runs(tmp_path_factory, tiny_model):
     """One worker, and sequence parallel 2 on 2 workers stopped at step 3 (saved every 2, and at the stop) and
     redeployed: its steps 1-3 and 4-8 are the uninterrupted run's, and a copy of the stopped experiment is kept for
-    a redeploy on 1 worker (`moved`). The runs join one Ray head (conftest's ray_head): what is tested is the
-    training, not the local cluster."""
+    a redeploy on 1 worker (`moved`)."""
     storage = tmp_path_factory.mktemp("sp-chat")
-    train(storage, "one", tiny_model, ray_head, **CHAT, **ONE)
-    stopped = train(storage, "resumed", tiny_model, ray_head, **CHAT, **SP, **{"train.stop_after_steps": 3})
+    train(storage, "one", tiny_model, **CHAT, **ONE)
+    stopped = train(storage, "resumed", tiny_model, **CHAT, **SP, **{"train.stop_after_steps": 3})
     other = tmp_path_factory.mktemp("sp-chat-other")
     shutil.copytree(storage / "resumed", other / "resumed", symlinks=True)  # the same experiment, stopped at 3
-    resumed = train(storage, "resumed", tiny_model, ray_head, **CHAT, **SP)
+    resumed = train(storage, "resumed", tiny_model, **CHAT, **SP)
     return storage, other, stopped, resumed
 
 
 @pytest.fixture(scope="module")
-def moved(chat_runs, tiny_model, ray_head):
+def moved(chat_runs, tiny_model):
     """The copy of the experiment stopped at step 3 under sequence parallelism, redeployed on 1 worker without it."""
     other = chat_runs[1]
-    return other, train(other, "resumed", tiny_model, ray_head, **CHAT, **ONE)
+    return other, train(other, "resumed", tiny_model, **CHAT, **ONE)
 
 
 # The unit suite keeps the packed chat runs (equal to one worker, and resumed at the exact batch: 3 runs); the
@@ -158,7 +157,7 @@ def test_a_resume_on_one_worker_without_it_keeps_the_global_batch(chat_runs, mov
 
 @pytest.mark.slow  # SIGTERM's save and redeploy are the unit suite's in test_reliability.py; under SP with test-all
 def test_a_sigterm_to_one_worker_of_a_group_saves_the_step_and_the_redeploy_redoes_nothing(
-    chat_runs, tmp_path, tiny_model, ray_head
+    chat_runs, tmp_path, tiny_model
 ):
     """Preemption under it: rank 1 (the second shard of the one group) gets SIGTERM after step 5; every rank saves
     step 5 and the run exits 4; the redeploy resumes at step 5 with nothing redone, on the uninterrupted losses."""
@@ -166,11 +165,11 @@ def test_a_sigterm_to_one_worker_of_a_group_saves_the_step_and_the_redeploy_redo
     first = run_cli(
         "train",
         *tiny_overrides(tmp_path, "pre", tiny_model, **CHAT, **SP),
-        env={**ray_head, "FINETUNE_FAULT_SIGTERM_AT_STEP": "5:1"},  # to a worker, not the driver
+        env={"FINETUNE_FAULT_SIGTERM_AT_STEP": "5:1"},
     )
     out = first.stdout + first.stderr
     assert first.returncode == 4 and "preempted at step 5, checkpoint written in" in out, out[-6000:]
-    resumed = train(tmp_path, "pre", tiny_model, ray_head, **CHAT, **SP)
+    resumed = train(tmp_path, "pre", tiny_model, **CHAT, **SP)
     assert re.search(r"at global step 5 \(epoch 0, step 5 of the epoch\).*; no step is redone", resumed), resumed[
         -4000:
     ]
@@ -203,12 +202,12 @@ def tiny_llama(folder: Path, tokenizer_from: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_a_multi_query_llama_trains_as_one_worker_with_the_whole_sequence(tmp_path, tiny_model, ray_head):
+def test_a_multi_query_llama_trains_as_one_worker_with_the_whole_sequence(tmp_path, tiny_model):
     """Rotary positions from the gathered position ids, and the one key/value head repeated on both workers."""
     model = tiny_llama(tmp_path / "llama", tiny_model)
     sets = {**CHAT, "train.max_steps_per_epoch": 4, "checkpoint.every_steps": "null"}
-    train(tmp_path, "one", model, ray_head, **sets, **ONE)
-    train(tmp_path, "sp", model, ray_head, **sets, **SP)
+    train(tmp_path, "one", model, **sets, **ONE)
+    train(tmp_path, "sp", model, **sets, **SP)
     worst = assert_same(steps(tmp_path / "one"), steps(tmp_path / "sp"), ("loss", "grad_norm"), range(1, 5))
     print(f"multi-query llama, packed chat: largest relative difference {worst:.1e}")
 

@@ -40,18 +40,15 @@ def train(storage: Path, name: str, model: Path, uri: str, env: dict | None = No
 
 
 @pytest.fixture(scope="module")
-def resumed(server, tiny_model, tmp_path_factory, ray_head):
+def resumed(server, tiny_model, tmp_path_factory):
     """Experiment `tracked`: 4 steps, stopped (as a preemption would), then resumed to its 8 steps with an
-    evaluation every 2 and the final model exported. The MLflow run after each attempt. This file's runs join one
-    Ray head (conftest's ray_head): what they test is the tracking, not the local cluster."""
+    evaluation every 2 and the final model exported. The MLflow run after each attempt."""
     storage = tmp_path_factory.mktemp("storage")
     sets = {"data.eval_fraction": 0.2, "train.eval_every_steps": 2, "train.eval_max_batches": 2}
-    first_out = train(storage, "tracked", tiny_model, server.uri, ray_head, **sets, **{"train.stop_after_steps": 4})
+    first_out = train(storage, "tracked", tiny_model, server.uri, **sets, **{"train.stop_after_steps": 4})
     run_dir = storage / "tracked"
     first = server.client().get_run(tracking.read_record(run_dir)["run_id"])
-    second_out = train(
-        storage, "tracked", tiny_model, server.uri, ray_head, **sets, **{"checkpoint.export_final": True}
-    )
+    second_out = train(storage, "tracked", tiny_model, server.uri, **sets, **{"checkpoint.export_final": True})
     second = server.client().get_run(tracking.read_record(run_dir)["run_id"])
     return {"dir": run_dir, "first": first, "second": second, "out": first_out + second_out}
 
@@ -109,7 +106,7 @@ def test_loss_png_and_the_terminal_curve(resumed):
     assert len(curve) == 6 and any(block in result.stdout for block in charts.BLOCKS[1:]), result.stdout
 
 
-def test_a_dead_server_never_stops_training(server, resumed, tiny_model, tmp_path, ray_head):
+def test_a_dead_server_never_stops_training(server, resumed, tiny_model, tmp_path):
     """Experiment `untouched` logs into the same MLflow experiment, with a copy of `tracked`'s run record in its
     folder (a copied experiment folder): it gets a run of its own. Its server dies in the middle of the save of
     step 4; the run finishes with every checkpoint, one warning said, and the server, once back, holds what was
@@ -119,12 +116,7 @@ def test_a_dead_server_never_stops_training(server, resumed, tiny_model, tmp_pat
     shutil.copy(resumed["dir"] / tracking.RUN_RECORD, storage / "untouched" / tracking.RUN_RECORD)
     sets = {"tracking.mlflow.uri": server.uri, "tracking.mlflow.experiment": SHARED_EXPERIMENT}
     proc = start(
-        storage,
-        "untouched",
-        tiny_model,
-        log,
-        env={**ray_head, "FINETUNE_FAULT_SAVE_PAUSE": "before_shards:300:4"},
-        **sets,
+        storage, "untouched", tiny_model, log, env={"FINETUNE_FAULT_SAVE_PAUSE": "before_shards:300:4"}, **sets
     )
     run_dir = storage / "untouched"
     try:

@@ -33,14 +33,13 @@ RESUME = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model, ray_head):
+def runs(tmp_path_factory, tiny_model):
     """An uninterrupted ZeRO-3 run of 16 steps (its step 3 profiled), and the same run stopped at step 5 and
-    resumed by a new driver. The runs join one Ray head (conftest's ray_head): this file tests the training; the
-    local cluster's start is tests/test_first_run.py's."""
+    resumed by a new driver."""
     storage = tmp_path_factory.mktemp("storage")
-    train(storage, "full", tiny_model, env={**ray_head, "FINETUNE_PROFILE_STEP": "3"}, **RESUME)
-    stopped = train(storage, "resumed", tiny_model, ray_head, **RESUME, **{"train.stop_after_steps": 5})
-    resumed = train(storage, "resumed", tiny_model, ray_head, **RESUME, **{"checkpoint.export_final": True})
+    train(storage, "full", tiny_model, env={"FINETUNE_PROFILE_STEP": "3"}, **RESUME)
+    stopped = train(storage, "resumed", tiny_model, **RESUME, **{"train.stop_after_steps": 5})
+    resumed = train(storage, "resumed", tiny_model, **RESUME, **{"checkpoint.export_final": True})
     return storage, stopped, resumed
 
 
@@ -205,9 +204,8 @@ def test_export_gives_the_engines_logits(tiny_model, tmp_path):
         ),
     ],
 )
-def test_stages_learn(stage, tmp_path, tiny_model, ray_head):
-    sets = {"train.max_steps_per_epoch": 10, "train.log_every_steps": 1, **stage}
-    train(tmp_path, "stage", tiny_model, ray_head, **sets)
+def test_stages_learn(stage, tmp_path, tiny_model):
+    train(tmp_path, "stage", tiny_model, **{"train.max_steps_per_epoch": 10, "train.log_every_steps": 1}, **stage)
     assert_learns(tmp_path / "stage")
 
 
