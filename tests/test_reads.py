@@ -103,7 +103,16 @@ def no_scratch(folder: Path) -> None:
     assert not (folder / pipeline.SCRATCH).exists()  # the csv files' Arrow copies are not published
 
 
-@pytest.mark.parametrize("case", ["text", "compressed_eval_fraction", "saved"])
+# compressed JSON Lines with a holdout in make test; plain text and a saved folder (whose Arrow reader the csv case
+# below also takes) under make test-all, for the unit suite's time.
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("text", marks=pytest.mark.slow),
+        "compressed_eval_fraction",
+        pytest.param("saved", marks=pytest.mark.slow),
+    ],
+)
 def test_read_by_range_at_any_parallelism_gives_the_bytes_datasets_reads(
     tiny_model, tmp_path, monkeypatch, ray_cluster, case
 ):
