@@ -1,8 +1,7 @@
 """A source's rows as `datasets` reads them (local files, a folder split the Hub's way, a save_to_disk folder, a
 Hub name), where a row came from (file and line, for messages), and the format its columns mean. Preparation reads
 here, in the driver, only what app.data.ranges does not plan by row range (hub names, a saved dataset with a
-format...); the checks and
-the in-memory path (app.data.pipeline.tokenize) read here.
+format...); the checks and the in-memory path (app.data.pipeline.tokenize) read here.
 """
 
 from __future__ import annotations
