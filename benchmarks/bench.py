@@ -244,18 +244,21 @@ CHAT_L8B = chat_case(
 STARTUP = [L1B_1GPU, HF_L1B_1GPU, again(L1B_1GPU), again(HF_L1B_1GPU)]
 
 
-def long_case(seq: int, runner: str = "app", long: Any = "auto", tag: str = "", **kw) -> Case:
-    """Chat SFT of the Llama-3-8B shape (its context extended to 2^20 positions) with LoRA r=16, micro-batch 1,
-    activation checkpointing, pure bf16 at stage 0 and Liger, conversations packed into blocks of `seq` tokens
-    (kept apart: each attends within itself). `long`: model.long_sequence (auto: app/resolve.py chooses, from the
-    GPU's memory and this machine's). The chat corpus holds a block for every step and a spare: a block takes
-    whole conversations of at most assets.CHAT_MAX tokens, hundreds of them at 512k."""
+def long_case(seq: int, runner: str = "app", long: Any = "auto", tag: str = "", lora: bool = True, **kw) -> Case:
+    """Chat SFT of the Llama-3-8B shape (its context extended to 2^20 positions) with LoRA r=16 (or, `lora` false,
+    every parameter at lr 2e-5, "-full" in the name), micro-batch 1, activation checkpointing, pure bf16 at stage 0
+    and Liger, conversations packed into blocks of `seq` tokens (kept apart: each attends within itself). `long`:
+    model.long_sequence (auto: app/resolve.py chooses, from the GPU's memory and this machine's). The chat corpus
+    holds a block for every step and a spare: a block takes whole conversations of at most assets.CHAT_MAX tokens,
+    hundreds of them at 512k."""
     steps = kw.pop("steps", 2)
     warmup = kw.pop("warmup", 1)
     sets = {**STAGE0, "model.long_sequence": long} if runner == "app" else {**STAGE0}
+    if not lora:
+        sets["train.learning_rate"] = 2e-5
     prefix = "trl-" if runner == "trl" else ""
-    name = f"{prefix}long-l8b-{seq // 1024}k{tag}"
-    case = chat_case(name, "llama-8b-1m", 1, 0, True, runner=runner, ckpt=True, seq=seq, sets=sets, **kw)
+    name = f"{prefix}long-l8b-{seq // 1024}k{'' if lora else '-full'}{tag}"
+    case = chat_case(name, "llama-8b-1m", 1, 0, lora, runner=runner, ckpt=True, seq=seq, sets=sets, **kw)
     return dataclasses.replace(case, warmup=warmup, steps=steps, corpus_tokens=int(seq * (warmup + steps + 2) * 1.1))
 
 
@@ -273,6 +276,10 @@ LONG = [
     long_case(524_288, estimate=400, timeout=440),  # a call is at most 600 s, its set-up included
     long_case(131_072, runner="trl", estimate=200, timeout=400),
     long_case(262_144, runner="trl", estimate=300, timeout=500),
+    # Full-parameter: the memory model's longest on one H200 and 128 GiB of host memory is about 393,216 tokens (the
+    # tiles, 20 layers' checkpoints offloaded, the AdamW states in bf16 on the GPU); 256k takes 8 layers offloaded.
+    long_case(262_144, lora=False, estimate=300, timeout=480),
+    long_case(393_216, lora=False, estimate=400, timeout=480),
 ]
 
 SUITES: dict[str, list[Case]] = {
@@ -307,8 +314,9 @@ SUITES: dict[str, list[Case]] = {
         # the 8B's LoRA (its weights, 16 GB, written first), 4 pairs a step; each pair in one call (docs/benchmarks.md).
         dpo_case("dpo-l1b-lora-z0-pure", "llama-1.1b", 8, estimate=90, timeout=180),
         dpo_case("trl-dpo-l1b-lora", "llama-1.1b", 8, runner="trl-dpo", estimate=60, timeout=180),
-        dpo_case("dpo-l1b-full-z0-pure", "llama-1.1b", 8, lora=False, estimate=100, timeout=180),
-        dpo_case("trl-dpo-l1b-full", "llama-1.1b", 8, runner="trl-dpo", lora=False, estimate=80, timeout=180),
+        # The full-parameter pair profiled (one extra step each): where the app's step goes against TRL's.
+        profiled(dpo_case("dpo-l1b-full-z0-pure", "llama-1.1b", 8, lora=False, estimate=100, timeout=180)),
+        profiled(dpo_case("trl-dpo-l1b-full", "llama-1.1b", 8, runner="trl-dpo", lora=False, estimate=80, timeout=180)),
         dpo_case("dpo-l8b-lora-z0-pure", "llama-8b", 4, **LORA_8B, estimate=150, timeout=300),
         dpo_case("trl-dpo-l8b-lora", "llama-8b", 4, runner="trl-dpo", **LORA_8B, estimate=190, timeout=300),
     ],
