@@ -90,6 +90,7 @@ FULL_8B = {"model.gradient_checkpointing": True, "train.learning_rate": 2e-5}
 EIGHT_B = {"warmup": 2, "steps": 8, "timeout": 300}
 EIGHT_B_STEPS = {"warmup": 2, "steps": 8}
 LORA_8B = {"warmup": 2, "steps": 5}
+FULL_DPO_8B = {"warmup": 2, "steps": 5, "estimate": 220, "timeout": 300}
 # DPO (issue #51): preference pairs in TRL's conversational form with the zephyr template, each pair's two sequences
 # packed into one block (the app's way); the sigmoid loss at beta 0.1 against the base model (LoRA's adapters off, as
 # TRL's DPOTrainer does with a peft model). LoRA as the chat cases' but without dropout: TRL's DPOTrainer disables
@@ -319,6 +320,10 @@ SUITES: dict[str, list[Case]] = {
         profiled(dpo_case("trl-dpo-l1b-full", "llama-1.1b", 8, runner="trl-dpo", lora=False, estimate=80, timeout=180)),
         dpo_case("dpo-l8b-lora-z0-pure", "llama-8b", 4, **LORA_8B, estimate=150, timeout=300),
         dpo_case("trl-dpo-l8b-lora", "llama-8b", 4, runner="trl-dpo", **LORA_8B, estimate=190, timeout=300),
+        # The 8B full-parameter pair: weights, gradients and AdamW states in bf16 take 64 GB, so both sides check-
+        # point activations; the reference stored by a pass before training, as the 1.1B's.
+        dpo_case("dpo-l8b-full-z0-pure", "llama-8b", 4, lora=False, ckpt=True, **FULL_DPO_8B),
+        dpo_case("trl-dpo-l8b-full", "llama-8b", 4, runner="trl-dpo", lora=False, ckpt=True, **FULL_DPO_8B),
     ],
     # The 8B shape against TRL (1 x H200; its weights folder, 16 GB, is written first): full-parameter with
     # model.fp8 and in bf16, then LoRA.
