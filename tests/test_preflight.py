@@ -632,8 +632,9 @@ def test_a_failed_controller_is_its_cause_in_one_line():
     assert driver.controller_error(RuntimeError("x")) is None
 
 
-def test_a_bad_row_beyond_the_sample_is_named_by_file_and_line(tmp_path):
-    """`datasets` says 'JSON parse error ... in row 1200' of a batch; the run says the file and its line."""
+def test_a_bad_row_beyond_the_sample_is_named_by_file_and_line(tmp_path, caplog):
+    """`datasets` says 'JSON parse error ... in row 1200' of a batch; the run says the file and its line, once
+    (datasets' own log of the same error is not written)."""
     from app import data
     from app.config import DataConfig
 
@@ -644,6 +645,7 @@ def test_a_bad_row_beyond_the_sample_is_named_by_file_and_line(tmp_path):
     with pytest.raises(preflight.Problem) as caught:
         data.load_split(cfg, "train")
     assert str(caught.value).startswith("data.dataset: line 1202 is not JSON: ") and str(path) in str(caught.value)
+    assert not [r for r in caplog.records if "Failed to load JSON" in r.getMessage()], caplog.text
     csv = tmp_path / "d.csv"
     csv.write_text("text,label\n" + "".join(f"r{i},1\n" for i in range(1200)) + "a,b,c,d\n")
     with pytest.raises(preflight.Problem, match="Expected 2 fields in line 1202"):

@@ -7,9 +7,11 @@ format...); the checks and the in-memory path (app.data.pipeline.tokenize) read 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from app.config import DataConfig
@@ -46,10 +48,25 @@ def load_split(cfg: DataConfig, split: str):
         files = [f for fs in given.values() for f in fs]
         builder, options = reader(kind_of(files[0]))
         try:
-            return datasets.load_dataset(builder, data_files=given, split=split, **options)
+            with _errors_restated():
+                return datasets.load_dataset(builder, data_files=given, split=split, **options)
         except Exception as exc:  # noqa: BLE001 - a bad row beyond the sample validate read: say where it is
             raise unreadable_data(files, builder, exc) from None
     return datasets.load_dataset(cfg.dataset, cfg.config_name, split=split)
+
+
+@contextlib.contextmanager
+def _errors_restated() -> Iterator[None]:
+    """datasets' JSON reader logs each error it then raises ("Failed to load JSON from file ... in row 2501", through
+    a handler of its own as well as the app's); load_split restates it as one line with the file and line, so it is
+    not logged twice more."""
+    reader_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = reader_log.level
+    reader_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        reader_log.setLevel(level)
 
 
 def unreadable_data(files: list[str], builder: str, exc: BaseException) -> Problem:
