@@ -188,20 +188,20 @@ def check_world_change(out: str, s: int, before: int, after: int, batch: str) ->
 # fixtures are built once), each file whole on one worker, in collection order: a worker takes the next file when
 # its own is down to its last two tests. Without --no-loadscope-reorder xdist orders the files by their number of
 # tests, so the files below, which hold most of the suite's real training runs in few tests, were started last
-# (test_reliability.py, the longest, after a dozen others). The order: their durations in the 21.5-minute suite at
-# -n 3 (fixtures included), longest first; started first, no long file is left to run alone at the end, and the many
-# short files fill the other workers meanwhile.
+# (test_reliability.py, the longest, after a dozen others). The order: their durations in the suite at -n 3 (fixtures
+# included; test_train.py and test_lora.py down to one training run each), longest first; started first, no long
+# file is left to run alone at the end, and the many short files fill the other workers meanwhile.
 LONGEST_FIRST = (
     "test_reliability.py",
     "test_preference_train.py",
     "test_prepare.py",
-    "test_train.py",
-    "test_lora.py",
+    "test_tracking.py",
+    "test_run_failures.py",
     "test_sequence_parallel.py",
     "test_first_run.py",
-    "test_tracking.py",
     "test_contract.py",
-    "test_run_failures.py",
+    "test_train.py",
+    "test_lora.py",
     "test_progress.py",
 )
 

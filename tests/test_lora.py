@@ -1,6 +1,8 @@
-"""Chat SFT with LoRA on real Ray Train and DeepSpeed (CPU): only the adapters train and are checkpointed, a stopped
-run resumes at the exact batch, final/ is the merged model and final/adapter/ the PEFT adapter, and `finetune export`
-of a LoRA checkpoint needs no GPU. One ZeRO-3 experiment serves every assertion; the other stages are slow tests."""
+"""Chat SFT with LoRA on real Ray Train and DeepSpeed (CPU): only the adapters train and are checkpointed, final/ is
+the merged model and final/adapter/ the PEFT adapter, and `finetune export` of a LoRA checkpoint needs no GPU. One
+ZeRO-3 run serves every assertion. A stopped run resuming at the exact batch is a slow test, at every stage (ZeRO-3
+included): in make test, LoRA under ZeRO-3 resumes at the exact batch in tests/test_preference_train.py (the `lora`
+experiment: the same adapter checkpoints, restored by the same train loop, after a SIGTERM instead of a stop)."""
 
 from __future__ import annotations
 
@@ -45,21 +47,22 @@ def assert_resumed_exactly(storage: Path, resumed: str) -> None:
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory, tiny_model):
+    """One uninterrupted ZeRO-3 run of 8 steps, which exports final/."""
     storage = tmp_path_factory.mktemp("storage")
-    full = train(storage, "full", tiny_model)
-    return storage, full, *stop_and_resume(storage, tiny_model)
+    return storage, train(storage, "full", tiny_model, **{"checkpoint.export_final": True})
 
 
 def test_only_the_adapters_train_and_are_checkpointed(zero3, tiny_model):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    storage, full, _, resumed = zero3
+    storage, full = zero3
     assert "LoRA r=8 on " in full and "of 165,632 parameters train" in full, full[-3000:]
     assert "data format: chat (data.format auto, from the columns)" in full
     assert "fan_in_fan_out" not in full  # PEFT's warning for each of GPT-2's transposed (Conv1D) layers
-    assert "sample: 'Which section is this headline for?" in resumed  # asked in the chat template trained with
-    assert_resumed_exactly(storage, resumed)
-    last = sorted((storage / "resumed" / "checkpoints").iterdir())[-1]
+    assert "sample: 'Which section is this headline for?" in full  # asked in the chat template trained with
+    seen = losses(storage / "full")
+    assert sorted(seen) == list(range(1, 9)) and seen[8] < 0.95 * seen[1], seen
+    last = sorted((storage / "full" / "checkpoints").iterdir())[-1]
     weights = get_fp32_state_dict_from_zero_checkpoint(str(last), tag="ds", exclude_frozen_parameters=True)
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), sorted(weights)[:5]
     # The adapters, their optimizer state and the rest: far less than the base model's own weights.
@@ -73,8 +76,8 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
 
     from app.data import chat
 
-    storage, *_ = zero3
-    final = storage / "resumed" / "final"
+    storage, _ = zero3
+    final = storage / "full" / "final"
     ids = torch.arange(1, 33)[None]
     merged = AutoModelForCausalLM.from_pretrained(final)
     assert merged.dtype == torch.bfloat16 and not any("lora" in k for k in merged.state_dict())
@@ -90,7 +93,7 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     assert tokenizer.decode(prompt) == "<|user|>\nHi<|endoftext|>\n<|assistant|>\n"
     # `finetune export` of the LoRA checkpoint, with no GPU visible: the same folder as final/.
-    last = sorted((storage / "resumed" / "checkpoints").iterdir())[-1]
+    last = sorted((storage / "full" / "checkpoints").iterdir())[-1]
     done = run_cli("export", str(last), str(tmp_path / "out"), env={"CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     with torch.no_grad():
@@ -105,10 +108,11 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "out2").eval()(ids).logits.float(), a)
 
 
-@pytest.mark.slow  # three more experiments of three runs each (zero3-offload also builds DeepSpeed's CPU Adam)
+@pytest.mark.slow  # an experiment of three runs each (zero3-offload also builds DeepSpeed's CPU Adam)
 @pytest.mark.parametrize(
     "stage",
     [
+        pytest.param({}, id="zero3"),
         pytest.param({"deepspeed.zero_optimization.stage": 2}, id="zero2"),
         pytest.param({"deepspeed.zero_optimization.stage": 0, "train.pure_bf16": True}, id="zero0-pure-bf16"),
         pytest.param(

@@ -1006,6 +1006,7 @@ def test_sigterm_to_a_rank_saves_the_step_in_flight_and_the_redeploy_redoes_noth
 
     m = resumed_line(kbr["last"])
     assert Path(m[1]).name == f"step-{n:08d}" and int(m[3]) == n and m[4].startswith("no step is redone"), (n, m[0])
+    assert re.search(r"of the epoch\), loaded in \d+\.\ds;", m[0]), m[0]  # how long the restore took
     assert sorted(losses(run_dir)) == list(range(1, 9)), (n, losses(run_dir))
     check_ends_like_the_baseline(run_dir, baseline, 1)
 

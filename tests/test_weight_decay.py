@@ -76,11 +76,19 @@ def run_engines(model: Path, folder: Path, plan: dict) -> dict:
     return run_engine_script(ENGINE, model, folder, plan)
 
 
-def test_stage_3_decays_the_weights_as_stage_2_does(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def quick(tiny_model, tmp_path_factory) -> dict:
+    """One engine program for both tests below (one process's start-up, DeepSpeed's import, instead of two): the
+    decay runs and the QUICK resumes, each by its key."""
+    plan = {"decay": 1.0, "resume": QUICK, "weight_decay": 0.1}
+    return run_engines(tiny_model, tmp_path_factory.mktemp("weight-decay"), plan)
+
+
+def test_stage_3_decays_the_weights_as_stage_2_does(quick):
     """3 steps at weight decay 1.0 (lr 1e-2: 1% of each weight a step) at stages 2 and 3, and at stage 2 without decay:
     stage 3's weights are stage 2's, not the undecayed run's (the decay moves the weights 100x more than the stages'
     own differences)."""
-    found = run_engines(tiny_model, tmp_path, {"decay": 1.0})["decay"]
+    found = quick["decay"]
     assert found["decayed"] > 0, found
     assert found["z3_vs_z2"] <= 0.01 * found["decay_effect"], found
 
@@ -117,10 +125,10 @@ def check_resume(key: str, found: dict) -> None:
         assert not found["converted"] and regroup not in line, (key, line)
 
 
-def test_a_stage_3_checkpoint_of_the_old_groups_resumes_at_the_exact_batch(tiny_model, tmp_path):
-    found = run_engines(tiny_model, tmp_path, {"resume": QUICK, "weight_decay": 0.1})
-    for key, pair in found.items():
-        check_resume(key, pair)
+def test_a_stage_3_checkpoint_of_the_old_groups_resumes_at_the_exact_batch(quick):
+    assert sorted(quick) == sorted(["decay", *(key for key, *_ in QUICK)]), sorted(quick)
+    for key, *_ in QUICK:
+        check_resume(key, quick[key])
 
 
 @pytest.mark.slow
