@@ -369,12 +369,19 @@ def test_the_long_suite_builds_each_case_and_auto_chooses_as_predicted(tmp_path,
     knobs = {case.name: k for case, k in _configs(tmp_path, bench.SUITES["long"], gpu_memory=143_771 * 2**20)}
     assert not [k for k in knobs.values() if isinstance(k, Exception)], knobs
     assert {k["seq"] for k in knobs.values()} == {32_768, 131_072, 262_144, 524_288}
-    for k in knobs.values():
+    for name, k in knobs.items():
         assert (k["micro_batch"], k["stage"], k["act_ckpt"], k["pure_bf16"], k["packing"]) == (1, 0, True, True, True)
-        assert k["lora"]["r"] == 16 and k["format"] == "chat"
+        assert k["format"] == "chat" and (k["lora"] is None if "-full" in name else k["lora"]["r"] == 16), name
     off, on = knobs["long-l8b-32k-off"]["long_sequence"], knobs["long-l8b-32k-on"]["long_sequence"]
     assert off == {"tiled_mlp": False, "tiled_loss": False, "offload_checkpoints": False}
     assert on == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": True}
     assert knobs["long-l8b-512k"]["long_sequence"] == {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": 21}
     assert knobs["long-l8b-128k"]["long_sequence"]["offload_checkpoints"] == 0
+    # Full-parameter (weights and bf16 AdamW states on the GPU): the tiles at 256k, and at 512k more layers offloaded
+    # than LoRA's, within the host.
+    full256, full512 = knobs["long-l8b-256k-full"]["long_sequence"], knobs["long-l8b-512k-full"]["long_sequence"]
+    assert full256["tiled_mlp"] and full256["tiled_loss"] and full512["tiled_mlp"] and full512["tiled_loss"]
+    assert 0 < full256["offload_checkpoints"] < full512["offload_checkpoints"] <= 32
+    lora512 = knobs["long-l8b-512k"]["long_sequence"]
+    assert full512["offload_checkpoints"] > lora512["offload_checkpoints"], (full256, full512)
     assert {name for name, k in knobs.items() if "trl" in k["command"]} == {"trl-long-l8b-128k", "trl-long-l8b-256k"}
