@@ -108,7 +108,7 @@ def test_final_is_merged_and_the_adapter_gives_the_same_logits(zero3, tiny_model
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "out2").eval()(ids).logits.float(), a)
 
 
-@pytest.mark.slow  # an experiment of three runs each (zero3-offload also builds DeepSpeed's CPU Adam)
+@pytest.mark.slow  # one experiment of three runs a stage (zero3-offload also builds DeepSpeed's CPU Adam)
 @pytest.mark.parametrize(
     "stage",
     [
