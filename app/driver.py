@@ -6,6 +6,7 @@ RayJob's entrypoint runs this on the head and Ray connects to the cluster.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -193,10 +194,43 @@ def start_ray(cfg: TrainingConfig) -> None:
         os.environ.update(worker_env(cfg))  # the local cluster's workers inherit this process's environment
         needed = int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1
         log.info("starting a local Ray cluster (about 10-20 s)")
-        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
+        _init_local_ray(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())
     logs.after_ray_init()
     _create_autoscaling_coordinator()
     _ray_marks["ray_started"] = time.time()
+
+
+# Ray gives a local node a fixed 30 s to register with its GCS (ray/_private/node.py, not configurable); on a machine
+# whose cores are all busy it can take longer, and ray.init then fails though nothing is wrong (seen on 2 loaded cores).
+RAY_START_ATTEMPTS = 3
+RAY_START_TIMEOUT = "timed out during startup"
+
+
+def _init_local_ray(**kwargs) -> None:
+    """ray.init for a local cluster, tried again (up to RAY_START_ATTEMPTS) when the node did not register in Ray's
+    30 s; the processes a failed attempt started are stopped first, so that they take no CPU from the next."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if RAY_START_TIMEOUT not in str(err) or attempt == RAY_START_ATTEMPTS:
+                raise
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        for p in started:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(started, timeout=10)
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        log.warning(
+            f"the local Ray cluster did not start within Ray's 30 s (this machine is busy: load average {load}); "
+            f"stopped it and starting it again ({attempt + 1} of {RAY_START_ATTEMPTS})"
+        )
 
 
 def cluster_gpu_memory(cfg: TrainingConfig) -> tuple[int, str] | None:
