@@ -149,10 +149,12 @@ def test_refusals_warn_once_then_retry_quietly(fake, caplog):
     assert len(progress_warnings(caplog)) == 1
 
 
-@pytest.mark.parametrize("where", ["closed port", "silent server", "no credentials", "missing rayjob"])
+@pytest.mark.parametrize("where", ["closed port", "silent server", "no credentials", "missing rayjob", "forbidden"])
 def test_unreachable_api_never_raises_or_blocks(fake, caplog, monkeypatch, tmp_path, where):
     silent = None
-    if where == "closed port":
+    if where == "forbidden":  # no RBAC for rayjobs: 403 on every call
+        fake.mode = "forbidden"
+    elif where == "closed port":
         fake.stop()
     elif where == "silent server":  # accepts connections, never answers: each call ends at its timeout
         silent = socket.socket()
@@ -169,6 +171,12 @@ def test_unreachable_api_never_raises_or_blocks(fake, caplog, monkeypatch, tmp_p
         p.update({"step": i}, force=(i % 10 == 0))
     assert time.monotonic() - t0 < 0.5
     wait_for(lambda: progress_warnings(caplog), timeout=5)
+    if where == "forbidden":  # then the API server goes away: another error, and no second warning
+        fake.stop()
+        calls = len(fake.requests)
+        p.update({"step": 100}, force=True)
+        time.sleep(0.3)
+        assert len(fake.requests) == calls
     t0 = time.monotonic()
     p.close(timeout_s=1.0)
     assert time.monotonic() - t0 < 1.5
@@ -179,6 +187,7 @@ def test_unreachable_api_never_raises_or_blocks(fake, caplog, monkeypatch, tmp_p
         "silent server": "did not answer in time",
         "no credentials": "no Kubernetes credentials",
         "missing rayjob": "not found (404",
+        "forbidden": "forbidden (403",
     }[where]
     assert expected in warnings[0]
     if silent:
@@ -241,6 +250,9 @@ def test_a_resumed_run_publishes_where_it_resumed_from(fake, tiny_model, tmp_pat
     assert final["resumed_from"].endswith("progress-resume/checkpoints/step-00000002"), final
 
 
+# make test-all only: the publisher's side (403, then nothing answering: one warning, never a raise or a wait) is
+# test_unreachable_api_never_raises_or_blocks here, and a training run is 190 s of the unit suite on CI's 2 cores.
+@pytest.mark.slow
 def test_training_finishes_when_the_api_refuses_then_goes_down(fake, tiny_model, tmp_path):
     """403 from the start (no RBAC), then connection refused (API server gone) halfway: one warning, a normal end."""
     fake.mode = "forbidden"
