@@ -8,9 +8,12 @@ several tests read what it left; a second experiment runs while its server is ki
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -253,3 +256,27 @@ def test_status_of_a_rayjob_draws_its_loss_curve():
     lines = ops.render_progress("exp1", {"step": 3, "total_steps": 3, "loss_curve": [[1, 3.0], [2, 2.5], [3, 2.0]]})
     curve = [line for line in lines if "│" in line]
     assert len(curve) == 6 and curve[0].split()[0] == "3.000" and curve[-1].split()[0] == "2.000", lines
+
+
+DEEPSPEED_THEN_TRACKING = """
+import sys
+import app
+import deepspeed
+from deepspeed.autotuning import autotuner
+print("autotuner has mlflow:", autotuner.has_mlflow, "imported:", "mlflow" in sys.modules)
+from app import tracking
+import mlflow.tracking
+print("tracking has mlflow:", hasattr(mlflow, "MlflowClient"))
+"""
+
+
+@pytest.mark.parametrize("with_app", [True, False])
+def test_deepspeed_under_the_app_leaves_mlflow_to_tracking(with_app):
+    """app/__init__.py keeps DeepSpeed's autotuner from importing mlflow (about 1 s of every worker's start); the
+    autotuner sees none, and tracking still imports it. Without the app, `import deepspeed` imports mlflow."""
+    script = DEEPSPEED_THEN_TRACKING if with_app else DEEPSPEED_THEN_TRACKING.replace("import app\n", "")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    expected = "False imported: False" if with_app else "True imported: True"
+    assert r.stdout.splitlines() == [f"autotuner has mlflow: {expected}", "tracking has mlflow: True"], r.stdout
