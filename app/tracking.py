@@ -184,6 +184,10 @@ class MlflowSender:
     """Rank 0's link to the tracking server: `send()` never blocks; a daemon thread does the talking."""
 
     def __init__(self, uri: str, experiment: str, run_dir: Path, params: dict[str, str], tags: dict[str, str]):
+        # mlflow imported here, not first in the thread: `import deepspeed` no longer does it (app/__init__.py), and
+        # a large import in a thread races the loop's own imports and delayed the run's opening by seconds.
+        import mlflow.tracking  # noqa: F401
+
         self.uri, self.experiment, self.run_dir = uri, experiment, run_dir
         self.params, self.tags = params, tags
         self.queue: queue.Queue = queue.Queue(QUEUE_SIZE)

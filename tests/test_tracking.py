@@ -124,8 +124,12 @@ def test_a_dead_server_never_stops_training(server, resumed, tiny_model, tmp_pat
     run_dir = storage / "untouched"
     try:
         wait_until(lambda: (run_dir / ".fault-paused-before_shards-4").exists(), proc, log, what="the save of step 4")
-        # Step 4's loss is logged before its save, but sent in the background: wait until the server has it.
-        wait_until(lambda: 4 in sent_loss(server, run_dir), proc, log, timeout=120, what="steps 1-4 on the server")
+        # Step 4's loss is logged before its save, but sent in the background: wait until the server has it in
+        # untouched's own run (until the sender has opened it, the copied record still names tracked's run).
+        tracked = resumed["second"].info.run_id
+        wait_until(
+            lambda: 4 in sent_loss(server, run_dir, other_than=tracked), proc, log, timeout=120, what="steps 1-4 sent"
+        )
         server.stop()
         started = time.monotonic()
         (run_dir / ".fault-continue-before_shards-4").touch()
@@ -150,9 +154,10 @@ def test_a_dead_server_never_stops_training(server, resumed, tiny_model, tmp_pat
     assert sorted(r.info.run_name for r in runs) == ["tracked", "untouched"]
 
 
-def sent_loss(server: MlflowServer, run_dir: Path) -> dict[int, float]:
+def sent_loss(server: MlflowServer, run_dir: Path, other_than: str | None = None) -> dict[int, float]:
+    """The loss history on the server of the run that `run_dir`'s record names (none while it names `other_than`)."""
     record = tracking.read_record(run_dir)
-    return history(server, record["run_id"], "loss") if record else {}
+    return history(server, record["run_id"], "loss") if record and record["run_id"] != other_than else {}
 
 
 def test_flatten_keeps_to_mlflow_limits():
