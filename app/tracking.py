@@ -305,6 +305,7 @@ def end_run(run_dir: Path, uri: str, status: str, error: str | None = None, fina
     record = read_record(run_dir)
     if not uri or not record or record.get("tracking_uri") != uri:
         return  # tracking off, or rank 0 never reached the server
+    import mlflow.tracking  # noqa: F401 - here, not in the thread's 30 s (MlflowSender says why)
 
     def end() -> None:
         from mlflow.entities import RunTag
