@@ -221,7 +221,7 @@ def _init_local_ray(**kwargs) -> None:
         except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this
             if RAY_START_TIMEOUT not in str(err) or attempt == RAY_START_ATTEMPTS:
                 raise
-        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        started = [p for p in me.children(recursive=True) if p.pid not in before and _is_ray_process(p)]
         for p in started:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -231,6 +231,16 @@ def _init_local_ray(**kwargs) -> None:
             f"the local Ray cluster did not start within Ray's 30 s (this machine is busy: load average {load}); "
             f"stopped it and starting it again ({attempt + 1} of {RAY_START_ATTEMPTS})"
         )
+
+
+def _is_ray_process(p) -> bool:
+    """A process of Ray's local node (GCS, raylet, its agents and workers), not one another thread of the driver
+    started meanwhile."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return "ray" in " ".join([p.name(), *p.cmdline()])
+    return False
 
 
 def cluster_gpu_memory(cfg: TrainingConfig) -> tuple[int, str] | None:
