@@ -186,7 +186,7 @@ class Node:
     registry_started: bool = False
     _stopping: threading.Event = field(default_factory=threading.Event)
     _logs_lock: threading.Lock = field(default_factory=threading.Lock)
-    _log_offsets: dict[Path, int] = field(default_factory=dict)
+    _kept_logs: dict[Path, list[int]] = field(default_factory=dict)  # per log path, the inodes linked
     _log_keeper: threading.Thread | None = None
 
     @property
@@ -470,23 +470,28 @@ class Node:
             self._keep_logs()
 
     def _keep_logs(self) -> None:
-        """Appends what the kubelet wrote to the pods' log files since the last call to copies in kept-logs/: the
-        kubelet removes a pod's logs with the pod, and a test reads what a deleted pod said."""
+        """Hard-links every container log file the kubelet writes into kept-logs/: the kubelet removes a pod's logs
+        with the pod, and a test reads what a deleted pod said. A link, not a copy, so that the last lines of a pod
+        deleted right after it printed them (a RayJob's submitter on a retry) are kept too: the file stays whole
+        under the second name, written to the end. A log rotated to a new file gets its own link (0.1.log, ...)."""
         src, dst = self.root / "pod-logs", self.root / "kept-logs"
         with self._logs_lock:
             for f in src.glob("*/*/*.log"):
                 rel = f.relative_to(src)
                 try:
-                    with open(f, "rb") as fh:
-                        fh.seek(self._log_offsets.get(rel, 0))
-                        chunk = fh.read()
+                    inode = f.stat().st_ino
                 except OSError:
                     continue  # removed with its pod meanwhile
-                if chunk:
-                    (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-                    with open(dst / rel, "ab") as out:
-                        out.write(chunk)
-                    self._log_offsets[rel] = self._log_offsets.get(rel, 0) + len(chunk)
+                kept = self._kept_logs.setdefault(rel, [])
+                if inode in kept:
+                    continue
+                target = dst / rel if not kept else dst / rel.parent / f"{rel.stem}.{len(kept)}.log"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(f, target)
+                except OSError:
+                    continue  # removed meanwhile (or rotated: the next call links the new file)
+                kept.append(target.stat().st_ino)
 
     @staticmethod
     def pod_pids(uid: str) -> list[int]:
