@@ -178,6 +178,10 @@ def record_ds_config(cfg: TrainingConfig, ds: dict[str, Any]) -> None:
 
 
 _ray_marks: dict[str, float] = {}  # wall-clock "driver" (Ray asked for) and "ray_started", for the breakdown
+# A cluster this process starts is this machine's alone, for this run: nothing drains its node, so Ray Train's
+# PreemptionWatcher (an actor process that waits for node drains, about 2 CPU-s of a tiny run's 50 on 2 cores) has
+# nothing to watch. The app's own preemption (SIGTERM, the notice file) is not Ray's and stays. The user's value wins.
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 
 
 def start_ray(cfg: TrainingConfig) -> None:
@@ -192,6 +196,8 @@ def start_ray(cfg: TrainingConfig) -> None:
         ray.init(**logs.before_ray_init())  # workers get their environment through worker_runtime_env
     else:
         os.environ.update(worker_env(cfg))  # the local cluster's workers inherit this process's environment
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
         needed = int(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker) + 1
         log.info("starting a local Ray cluster (about 10-20 s)")
         _init_local_ray(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, **logs.before_ray_init())

@@ -477,6 +477,33 @@ def test_a_local_ray_that_does_not_register_in_time_is_stopped_and_started_again
     assert "Traceback" not in r.stderr
 
 
+def test_a_local_cluster_starts_no_drain_watcher_and_the_users_value_wins(monkeypatch):
+    """Ray Train's PreemptionWatcher waits for node drains, which a cluster the app starts for one run never has:
+    such a cluster starts without it (one process less in every local run); a user's value wins, and a joined
+    cluster (RAY_ADDRESS) is left as it is. The name is Ray's own, and its controller still reads it."""
+    import ray
+    from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+    from ray.train.v2._internal.execution.controller import controller
+
+    from app import driver
+    from app.config import parse
+
+    assert ENABLE_PREEMPTION_WATCHER_ENV_VAR in driver.LOCAL_RAY_ENV
+    assert re.search(r"env_bool\(\s*ENABLE_PREEMPTION_WATCHER_ENV_VAR", inspect.getsource(controller))
+    started = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: started.append("joined"))
+    monkeypatch.setattr(driver, "_init_local_ray", lambda **kw: started.append("local"))
+    monkeypatch.setattr(driver, "_create_autoscaling_coordinator", lambda: None)
+    monkeypatch.setattr(driver.logs, "after_ray_init", lambda: None)
+    cfg = parse({"scaling": {"num_workers": 1, "use_gpu": False}})
+    for environ, expected in [({}, "0"), ({ENABLE_PREEMPTION_WATCHER_ENV_VAR: "1"}, "1"), ({"RAY_ADDRESS": "h"}, None)]:
+        monkeypatch.setattr(os, "environ", dict(environ))  # start_ray writes the environment: a copy, restored
+        driver.start_ray(cfg)
+        assert os.environ.get(ENABLE_PREEMPTION_WATCHER_ENV_VAR) == expected, (environ, os.environ)
+    assert started == ["local", "local", "joined"]
+
+
 def test_a_joined_cluster_is_not_judged_by_this_machine(tmp_path, tiny_model, monkeypatch):
     """With RAY_ADDRESS set the workers run elsewhere: no local resource check (the placement wait is bounded)."""
     from app.config import parse

@@ -480,7 +480,7 @@ class Node:
                 rel = f.relative_to(src)
                 try:
                     inode = f.stat().st_ino
-                except OSError:
+                except FileNotFoundError:
                     continue  # removed with its pod meanwhile
                 kept = self._kept_logs.setdefault(rel, [])
                 if inode in kept:
@@ -488,8 +488,8 @@ class Node:
                 target = dst / rel if not kept else dst / rel.parent / f"{rel.stem}.{len(kept)}.log"
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    os.link(f, target)
-                except OSError:
+                    os.link(f, target)  # both folders are under the node's root: one file system
+                except FileNotFoundError:
                     continue  # removed meanwhile (or rotated: the next call links the new file)
                 kept.append(target.stat().st_ino)
 
