@@ -74,8 +74,8 @@ run-dpo: tiny
 # --durations: the 15 slowest tests in every run, to keep the unit suite inside CI's 20-minute budget. Three files at
 # a time (-n 3, each file whole on one worker): on CI's 2 cores the suite is CPU-bound (mostly Ray's worker processes,
 # which Ray runs niced: /proc/stat counts them as "nice", not "user"), and a third file keeps both cores busy while
-# the other two wait on a held save or each other's ranks (27 minutes at -n 2, 21 at -n 3); more would only share
-# the same 2 cores. --no-loadscope-reorder: the files in tests/conftest.py's order, the longest first (xdist's own
+# the other two wait on a held save or each other's ranks; more would only share the same 2 cores.
+# --no-loadscope-reorder: the files in tests/conftest.py's order, the longest first (xdist's own
 # order, by number of tests, started the longest files last).
 test: lint test-tools
 	$(BIN)/pytest -q -m "not slow and not e2e" -n 3 --dist loadfile --no-loadscope-reorder --durations=15 tests
