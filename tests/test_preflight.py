@@ -477,10 +477,11 @@ def test_a_local_ray_that_does_not_register_in_time_is_stopped_and_started_again
     assert "Traceback" not in r.stderr
 
 
-def test_a_local_cluster_starts_no_drain_watcher_and_the_users_value_wins(monkeypatch):
+def test_a_local_cluster_asks_ray_for_no_drain_watcher_and_the_users_value_wins(monkeypatch):
     """Ray Train's PreemptionWatcher waits for node drains, which a cluster the app starts for one run never has:
-    such a cluster starts without it (one process less in every local run); a user's value wins, and a joined
-    cluster (RAY_ADDRESS) is left as it is. The name is Ray's own, and its controller still reads it."""
+    such a cluster is started with Ray's switch for it off; a user's value wins, and a joined cluster (RAY_ADDRESS)
+    is left as it is. The switch's name is Ray's own, and its controller still reads it with env_bool. (That no
+    watcher process then runs was checked by hand on a real local run, not here: it would cost a training run.)"""
     import ray
     from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
     from ray.train.v2._internal.execution.controller import controller
