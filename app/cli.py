@@ -279,8 +279,8 @@ def cmd_prepare(args) -> Exit:
 
     cfg = _load(args)
     driver.check(cfg, offline=False)  # every check of a training run's start: nothing starts for a bad config
-    driver.start_ray(cfg)
-    folder, manifest = pipeline.ensure(cfg)
+    # Ray only to prepare: a dataset already on the volume (its key's manifest) is reported without a cluster.
+    folder, manifest = pipeline.ensure(cfg, before_preparing=lambda: driver.start_ray(cfg))
     print(f"prepared: {folder}")
     print(pipeline.summary(manifest))
     return Exit.OK

@@ -32,7 +32,7 @@ def words_of(vocab: int) -> int:
 @dataclass(frozen=True)
 class Shape:
     name: str
-    kind: str  # "gpt2", "llama" or "qwen2"
+    kind: str  # "gpt2", "llama", "qwen2" or "qwen3"
     vocab: int
     hidden: int
     layers: int
@@ -41,6 +41,7 @@ class Shape:
     intermediate: int = 0
     context: int = 2048
     rope_theta: float = 10000.0
+    head_dim: int = 0  # 0: hidden / heads (Qwen3 sets its own: 128 at every size)
 
     def hf_config(self):
         if self.kind == "gpt2":
@@ -56,11 +57,14 @@ class Shape:
                 eos_token_id=0,
                 dtype="bfloat16",
             )
-        from transformers import LlamaConfig, Qwen2Config
+        from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-        # Qwen2: q/k/v biases (its modelling code's own), tied embeddings; Llama: neither.
-        qwen2 = self.kind == "qwen2"
-        return (Qwen2Config if qwen2 else LlamaConfig)(
+        # Qwen2: q/k/v biases (its modelling code's own), tied embeddings; Qwen3: RMSNorm on q and k instead of the
+        # biases, its own head size, tied embeddings at the small sizes; Llama: none of these.
+        qwen = self.kind in ("qwen2", "qwen3")
+        kind = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}.get(self.kind, LlamaConfig)
+        return kind(
+            **({"head_dim": self.head_dim} if self.head_dim else {}),
             vocab_size=self.vocab,
             hidden_size=self.hidden,
             intermediate_size=self.intermediate,
@@ -68,9 +72,9 @@ class Shape:
             num_attention_heads=self.heads,
             num_key_value_heads=self.kv_heads or self.heads,
             max_position_embeddings=self.context,
-            rms_norm_eps=1e-6 if qwen2 else 1e-5,
+            rms_norm_eps=1e-6 if qwen else 1e-5,
             rope_theta=self.rope_theta,
-            tie_word_embeddings=qwen2,
+            tie_word_embeddings=qwen,
             bos_token_id=0,
             eos_token_id=0,
             pad_token_id=0,
@@ -104,6 +108,21 @@ SHAPES = {
         ),
         # Qwen2-0.5B dimensions: a small hidden size (896), q/k/v biases, tied embeddings, a 151,936-token vocabulary.
         Shape("qwen2-0.5b", "qwen2", 151936, 896, 24, 14, kv_heads=2, intermediate=4864, context=32768, rope_theta=1e6),
+        # Qwen3-1.7B dimensions: a shape no suite tuned the app on (the defaults suite's check of what a user gets):
+        # q/k RMSNorm, head size 128 with 16 query and 8 key/value heads, tied embeddings, 151,936-token vocabulary.
+        Shape(
+            "qwen3-1.7b",
+            "qwen3",
+            151936,
+            2048,
+            28,
+            16,
+            kv_heads=8,
+            intermediate=6144,
+            context=40960,
+            rope_theta=1e6,
+            head_dim=128,
+        ),
         # Tiny shapes for the CPU smoke suite.
         Shape("tiny-gpt2", "gpt2", 1000, 64, 2, 2, context=512),
         Shape("tiny-llama", "llama", 1000, 64, 2, 4, kv_heads=2, intermediate=172, context=512),

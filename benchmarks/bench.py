@@ -169,13 +169,13 @@ def defaults_case(shape: str, lora: bool, runner: str = "app", **kw) -> Case:
     setting the app chooses left to it: ZeRO stage, pure bf16, checkpointing, Liger (auto) and the micro-batch (auto,
     so that both sides run the same workload: TRL's twin reads the same config and runs the app's micro-batch and
     checkpointing). The 8B full-parameter case trains at 2e-5 (at 2e-4 its losses rose) and saves synchronously."""
-    short = {"llama-1.1b": "l1b", "llama-8b": "l8b", "qwen2-0.5b": "q05"}[shape]
+    short = {"llama-1.1b": "l1b", "llama-8b": "l8b", "qwen2-0.5b": "q05", "qwen3-1.7b": "q3-17"}[shape]
     name = f"{'trl-' if runner == 'trl' else ''}defaults-chat-{short}-{'lora' if lora else 'full'}"
     full_8b = shape == "llama-8b" and not lora
     sets = {**ONE_GPU, **CHAT, **(LORA if lora else {}), "data.seq_length": 2048, "train.micro_batch_size": "auto"}
     sets |= {"train.learning_rate": 2e-5 if full_8b else 2e-4, **({"checkpoint.async_save": False} if full_8b else {})}
     sets |= kw.pop("sets", {})
-    tokens = {"llama-1.1b": 700_000, "llama-8b": 250_000, "qwen2-0.5b": 700_000}[shape]
+    tokens = {"llama-1.1b": 700_000, "llama-8b": 250_000, "qwen2-0.5b": 700_000, "qwen3-1.7b": 700_000}[shape]
     return Case(name, shape, sets, runner, lengths="chat", corpus_tokens=tokens, weights=True, auto=True, **kw)
 
 
@@ -348,6 +348,10 @@ SUITES: dict[str, list[Case]] = {
         *defaults_pair("llama-1.1b", True, estimate=90, timeout=180),
         *defaults_pair("llama-8b", False, estimate=170, timeout=300, **EIGHT_B_STEPS),
         *defaults_pair("llama-8b", True, estimate=190, timeout=300, **LORA_8B),
+        # A shape no case above tuned the app on (issue #60 item 2): Qwen3-1.7B's q/k norms, 128-wide heads and large
+        # vocabulary, full-parameter and LoRA, each beside TRL.
+        *defaults_pair("qwen3-1.7b", False, estimate=90, timeout=180),
+        *defaults_pair("qwen3-1.7b", True, estimate=90, timeout=180),
     ],
     # Long sequences on one GPU (1 x H200, issue #52): the Llama-3-8B shape's chat LoRA, one packed block a step,
     # beside TRL's SFTTrainer; each row records peak GPU memory, the worker's peak host memory (RSS) and step time.

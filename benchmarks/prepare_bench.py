@@ -119,6 +119,28 @@ def write_data(folder: Path, docs: int, conversations: int, doc_words: tuple[int
     return {"text_bytes": (folder / "text.jsonl").stat().st_size, "chat_bytes": (folder / "chat.jsonl").stat().st_size}
 
 
+def make_data(args, work: Path) -> dict:
+    """The files and the tokenizer in `work`, made now unless an earlier run (--data-only) made them there with the
+    same sizes and seed (data.json says so): made once, they need not be made again by the run that times the
+    paths, which only reads them."""
+    wanted = {k: getattr(args, k) for k in ("docs", "conversations", "doc_words", "seed", "vocab")}
+    marker = work / "data.json"
+    if marker.exists() and (found := json.loads(marker.read_text()))["wanted"] == wanted:
+        print(f"data and tokenizer: made before in {work} ({found['data_s']} s, {found['tokenizer_s']} s)")
+        return found
+    started = time.perf_counter()
+    lo, hi = (int(x) for x in args.doc_words.split(":"))
+    write_data(work / "data", args.docs, args.conversations, (lo, hi), args.seed)  # both, whatever --kinds
+    data_s = round(time.perf_counter() - started, 1)
+    vocab = train_tokenizer(work / "tokenizer", work / "data", args.vocab)
+    tokenizer_s = round(time.perf_counter() - started - data_s, 1)
+    print(f"data: {args.docs:,} documents, {args.conversations:,} conversations: {data_s} s", end="; ")
+    print(f"tokenizer, vocab {vocab:,}: {tokenizer_s} s")
+    made = {"wanted": wanted, "data_s": data_s, "tokenizer_s": tokenizer_s, "vocab": vocab}
+    marker.write_text(json.dumps(made))
+    return made
+
+
 def split_words(total: int, rng: random.Random) -> list[int]:
     """A document's words as paragraphs of 40-160 words."""
     out = []
@@ -285,11 +307,46 @@ def new_case(spec: dict, kind: str, case: Path) -> tuple[dict, Any, int]:
     size = sum(s["bytes"] for s in manifest["splits"].values())
     split = store.PreparedSplit.open(folder, "train")
     out = {"seconds": seconds, "bytes": size, "rows": manifest["splits"]["train"]["rows"], "phases": dict(phases)}
+    out |= reuse(cfg, folder, case)
     out |= {"manifest_tokens": manifest["splits"]["train"]["tokens"], "manifest_seconds": manifest["seconds"]}
     out |= {"driver_cpu_s": round(cpu, 2), "rows_per_s": round(out["rows"] / seconds, 1)}
     out["units"] = len(manifest["splits"]["train"].get("units", []))
     out["nodes"] = manifest.get("nodes")
     return out, (split[i] for i in range(len(split))), manifest["pad_id"]
+
+
+def reuse(cfg, folder: Path, case: Path) -> dict[str, Any]:
+    """A second preparation of the same config finds the first's dataset on the volume: timed in this process (the
+    key and the manifest read: `pipeline.ensure` again) and as a second `finetune prepare` of its own (launch to exit:
+    the interpreter, the config checks, its own local Ray cluster's start, the key), which must say it reused it."""
+    from app.data import pipeline
+
+    started = time.perf_counter()
+    again, _ = pipeline.ensure(cfg)
+    out: dict[str, Any] = {"reuse_s": round(time.perf_counter() - started, 3), "reused_same": again == folder}
+    # The command checks the config as a training run's start does, so its model must be one (a small one of the
+    # tokenizer's vocabulary, built from its config: preparing builds no model); the tokenizer, so the key, is the same.
+    from transformers import AutoTokenizer, LlamaConfig
+
+    model = case / "model"
+    vocab = len(AutoTokenizer.from_pretrained(cfg.model.tokenizer))
+    LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2
+    ).save_pretrained(model)
+    doc = cfg.model_dump(mode="json", exclude_unset=True)
+    doc["model"]["name_or_path"] = f"random-init:{model}"
+    config = case / "prepare-again.yaml"
+    config.write_text(json.dumps(doc))
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "prepare", str(config)], capture_output=True, text=True, timeout=600
+    )
+    out["reuse_cli_s"] = round(time.perf_counter() - started, 2)
+    said = done.stdout + done.stderr
+    out["reuse_cli_reused"] = done.returncode == 0 and f"reusing {folder}" in said and f"prepared: {folder}" in said
+    if not out["reuse_cli_reused"]:
+        print(f"second prepare (exit {done.returncode}) did not reuse {folder}:\n{said[-3000:]}", file=sys.stderr)
+    return out
 
 
 def rows_of(spec: dict, kind: str) -> int:
@@ -444,7 +501,18 @@ def old_tree(args, work: Path) -> tuple[Path, bool]:
 
 
 # What a new path's case adds to its record: the driver's CPU seconds and rows a second show what it still does.
-NEW_FIELDS = ("manifest_tokens", "manifest_seconds", "units", "nodes", "driver_cpu_s", "rows_per_s")
+NEW_FIELDS = (
+    "manifest_tokens",
+    "manifest_seconds",
+    "units",
+    "nodes",
+    "driver_cpu_s",
+    "rows_per_s",
+    "reuse_s",
+    "reused_same",
+    "reuse_cli_s",
+    "reuse_cli_reused",
+)
 
 
 def records_of(args, results: dict, hw: dict, meta: dict) -> list[dict]:
@@ -549,6 +617,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="results file to append to (default benchmarks/results/<date>-prepare-cpu.jsonl)")
     p.add_argument("--work", help="scratch folder (default: a new temporary folder, removed at the end)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (data, logs, prepared data)")
+    p.add_argument(
+        "--data-only",
+        action="store_true",
+        help="make the data and the tokenizer in --work (kept) and stop: a later run with the same --work and sizes "
+        "reads them instead of making them again",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds a path may take (default 3600)")
     p.add_argument("--note", default="", help="a note stored in each record")
     p.add_argument(
@@ -559,6 +633,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.data_only and not args.work:
+        p.error("--data-only needs --work (the folder a later run reads the data from)")
+    args.keep = args.keep or args.data_only
     if args.quick:
         args.docs, args.conversations, args.doc_words = 1000, 300, "20:60"
         args.seq_length, args.vocab = 1024, 1000
@@ -580,14 +657,10 @@ def main(argv: list[str] | None = None) -> int:
     worktree = None
     try:
         load_before = hardware()["loadavg"]
-        started = time.perf_counter()
-        lo, hi = (int(x) for x in args.doc_words.split(":"))
-        write_data(work / "data", args.docs, args.conversations, (lo, hi), args.seed)  # both, whatever --kinds
-        data_s = round(time.perf_counter() - started, 1)
-        vocab = train_tokenizer(work / "tokenizer", work / "data", args.vocab)
-        tokenizer_s = round(time.perf_counter() - started - data_s, 1)
-        print(f"data: {args.docs:,} documents, {args.conversations:,} conversations: {data_s} s", end="; ")
-        print(f"tokenizer, vocab {vocab:,}: {tokenizer_s} s")
+        data = make_data(args, work)
+        data_s, tokenizer_s, vocab = data["data_s"], data["tokenizer_s"], data["vocab"]
+        if args.data_only:
+            return 0
         tree, made = old_tree(args, work)
         worktree = tree if made else None
         spec = {
@@ -629,6 +702,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"phases {rec['path']} np={rec['num_proc']} {rec['kind']}: {rec['phases']}")
             if "driver_cpu_s" in rec:
                 print(f"driver {rec['kind']}: {rec['driver_cpu_s']} CPU s, {rec['rows_per_s']:,.0f} rows/s")
+            if "reuse_s" in rec:
+                print(
+                    f"second prepare {rec['kind']}: ensure {rec['reuse_s']} s (same folder: {rec['reused_same']}); "
+                    f"finetune prepare {rec['reuse_cli_s']} s launch to exit (reused: {rec['reuse_cli_reused']})"
+                )
         if out is not None:
             print(f"records: {out}")
         return 0

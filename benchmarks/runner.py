@@ -228,6 +228,27 @@ def error_lines(log: str, n: int = 6) -> str:
 # ---- the app runner ---------------------------------------------------------------------------------------
 
 
+# Set to a number of seconds, the driver process of every app case is sampled that long from its launch by py-spy
+# (where it is on PATH; 100 samples a second, idle time included, --nonblocking: never paused), whose stacks land
+# beside the case's log (LOG.driver-stacks.txt, py-spy's raw format): where launch to first step goes in the driver.
+# py-spy attaches to the driver from a session of its own, so that the case's end (its process group signalled)
+# leaves it to write what it sampled.
+PROFILE_DRIVER_ENV = "BENCH_PROFILE_DRIVER"
+
+
+def profile_driver(proc: subprocess.Popen, log_path: Path) -> None:
+    seconds = os.environ.get(PROFILE_DRIVER_ENV)
+    spy = shutil.which("py-spy") if seconds else None
+    if not spy:
+        return
+    out = log_path.with_suffix(".driver-stacks.txt")
+    command = [spy, "record", "--pid", str(proc.pid), "--duration", seconds, "--idle", "--nonblocking", "-r", "100"]
+    with log_path.open("a") as log:
+        subprocess.Popen(
+            [*command, "-f", "raw", "-o", str(out)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
 def launch_app(
     cfg_path: Path, log_path: Path, env: dict[str, str], tree: Path = REPO
 ) -> tuple[subprocess.Popen, float]:
@@ -242,6 +263,7 @@ def launch_app(
         start_new_session=True,
     )
     log.close()
+    profile_driver(proc, log_path)
     return proc, launch
 
 

@@ -193,13 +193,15 @@ def test_the_peer_table_compares_dpo_with_dpo_only():
 
 def test_the_defaults_suite_sets_nothing_the_app_chooses_and_records_what_it_chose(tmp_path):
     """Issue #50: the shipped defaults beside TRL on one H200 (143,771 MiB, as the app reads it there), full and LoRA
-    chat SFT of the three shapes; each app case sets none of the settings the app chooses, its record says so and
-    what the app chose; TRL's twin runs the same micro-batch and checkpointing; every other suite's cases keep the
-    values they measured before auto existed."""
+    chat SFT of the four shapes (Qwen3-1.7B: one no other suite tuned on, issue #60); each app case sets none of the
+    settings the app chooses, its record says so and what the app chose; TRL's twin runs the same micro-batch and
+    checkpointing; every other suite's cases keep the values they measured before auto existed."""
     from app.config import AUTO_FIELDS, BEFORE_AUTO
 
     cases = [c for c in bench.SUITES["defaults"] if c not in bench.STARTUP]  # the Start-up table's text cases
-    wanted = {(shape, lora) for shape in ("llama-1.1b", "llama-8b", "qwen2-0.5b") for lora in (False, True)}
+    wanted = {
+        (shape, lora) for shape in ("llama-1.1b", "llama-8b", "qwen2-0.5b", "qwen3-1.7b") for lora in (False, True)
+    }
     assert {(c.shape, "lora" in c.name) for c in cases if c.runner == "app"} == wanted
     knobs = {case.name: k for case, k in _configs(tmp_path, cases, gpu_memory=143_771 * 2**20)}
     for case in cases:
@@ -269,3 +271,22 @@ def test_smoke_suite_runs_every_runner_on_cpu(tmp_path):
             assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= r["time_to_first_step_s"] + 0.5, r
     ckpt = next(r["checkpoint"] for r in rows if r.get("checkpoint"))
     assert ckpt["bytes"] > 0 and ckpt["resumed_at_step"] == 5 and ckpt["load_s"] >= 0, ckpt  # tiny: 0.0 s
+
+
+def test_longest_finds_the_length_where_the_memory_model_stops_and_says_why(capsys):
+    """benchmarks/longest.py (issue #60 item 4: the longest length the memory model allows on the GPU that came): on
+    an 80 GiB GPU and a 125 GiB host, a step of 64k tokens, the 8B chat LoRA fits at 256k and no longer at the next
+    step, refused for the host's memory (the offloaded checkpoints), in the app's own words; more host memory never
+    makes the longest shorter."""
+    from benchmarks import longest
+
+    found = []
+    for host in ("125GiB", "250GiB"):
+        args = ["--gpu-memory", "80GiB", "--host-memory", host, "--step", "65536", "--high", "524288"]
+        assert longest.main(args) == 0
+        found.append(json.loads(capsys.readouterr().out.splitlines()[-1]))
+    small, large = found
+    assert small["longest"] % 65536 == 0 and small["next"] == small["longest"] + 65536
+    assert small["longest"] >= 262144 and small["long_sequence"]["offload_checkpoints"] > 0, small
+    assert "scaling.host_memory" in small["refused_next"], small
+    assert large["longest"] >= small["longest"]

@@ -389,6 +389,14 @@ def test_a_mixture_from_the_command_line_and_a_bad_source_named_by_its_index(tin
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     assert "mixture: 600 of 600 rows" in log and "prepared: " in done.stdout, log[-4000:]
+    assert "starting a local Ray cluster" in log
+    # Again: the dataset of its key is on the volume, found with no cluster started.
+    again = run_cli("prepare", *args)
+    assert again.returncode == 0 and "prepared data: reusing" in again.stdout + again.stderr, again.stderr[-3000:]
+    assert [line for line in again.stdout.splitlines() if line.startswith("prepared: ")] == [
+        line for line in done.stdout.splitlines() if line.startswith("prepared: ")
+    ]
+    assert "starting a local Ray cluster" not in again.stdout + again.stderr
     from app import cli
 
     assert "data: a mixture of 2 sources: " in cli.summary(mixture(tmp_path, tiny_model), {})

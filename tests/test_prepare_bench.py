@@ -57,6 +57,10 @@ def test_quick_run_compares_both_paths_block_by_block(tmp_path):
     assert new["chat"]["tokens"] == new["chat"]["manifest_tokens"]  # padding left out as the manifest counts
     assert new["text"]["ray_start_s"] > 0 and new["text"]["ray_cpus"] >= 1
     assert all(new[kind]["driver_cpu_s"] > 0 and new[kind]["rows_per_s"] > 0 for kind in ("text", "chat"))
+    # A second preparation reuses the first's dataset, in the process and as a `finetune prepare` of its own.
+    for kind in ("text", "chat"):
+        assert new[kind]["reused_same"] is True and new[kind]["reuse_cli_reused"] is True, new[kind]
+        assert 0 < new[kind]["reuse_s"] < new[kind]["seconds"] and new[kind]["reuse_cli_s"] > 0
     assert "| data | path |" in done.stdout and "command: python -m benchmarks.prepare_bench --quick" in done.stdout
     # The old commit's worktree is gone again.
     assert subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True).stdout == before

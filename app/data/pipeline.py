@@ -27,6 +27,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,14 +168,17 @@ def tokenizer_identity(m: ModelConfig) -> Any:
     return {"files": digest.hexdigest()}
 
 
-def ensure(cfg: TrainingConfig) -> tuple[Path, dict[str, Any]]:
+def ensure(cfg: TrainingConfig, before_preparing: Callable[[], None] | None = None) -> tuple[Path, dict[str, Any]]:
     """The prepared dataset of this config and its manifest: the one already on the volume when its key matches
-    (the log says so), else prepared now."""
+    (the log says so), else prepared now, `before_preparing` first (`finetune prepare` starts Ray there: a dataset
+    that is on the volume already is found by its key and manifest alone, with no cluster started)."""
     folder = folder_of(cfg)
     manifest = read_manifest(folder)
     if manifest is not None:
         log.info(f"prepared data: reusing {folder} ({summary(manifest)})")
         return folder, manifest
+    if before_preparing is not None:
+        before_preparing()
     manifest = prepare(cfg, folder)
     log.info(f"prepared data: {folder} ({summary(manifest)})")
     return folder, manifest
