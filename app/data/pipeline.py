@@ -373,6 +373,8 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
             f"split {d.split} has no row with text",
             "point data.dataset at data with text",
         )
+    if train["rows"] and train.get("unanswered") == train["rows"]:  # before blocks: unpacked, each such row is dropped
+        raise chat.no_answer(d.dataset, f"split {d.split}")
     if train["blocks"] and not train["targets"]:
         raise Problem(
             "data.chat_template",
@@ -396,7 +398,19 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
         )
 
 
-COUNTS = ("rows", "empty", "too_long", "truncated", "single_token", "documents", "tokens", "targets", "blocks", "cut")
+COUNTS = (
+    "rows",
+    "empty",
+    "too_long",
+    "truncated",
+    "unanswered",
+    "single_token",
+    "documents",
+    "tokens",
+    "targets",
+    "blocks",
+    "cut",
+)
 
 
 def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, tokenizer) -> dict:
