@@ -330,6 +330,18 @@ def test_a_split_of_empty_answers_is_named_once_prepared_and_nothing_is_kept(tin
     assert manifest["splits"]["train"]["unanswered"] == 6 and manifest["splits"]["train"]["rows"] == 7
 
 
+def test_documents_of_a_single_token_unpacked_are_named_once_prepared(tiny_model, tmp_path):
+    """Unpacked, a document of one token has nothing to predict and is dropped: a split of only such documents is
+    refused naming the data and packing (not data.seq_length, which no length would help)."""
+    path = tmp_path / "short.jsonl"
+    path.write_text('{"text": "a"}\n' * 4)
+    cfg = config(tmp_path, tiny_model, dataset=str(path), packing=False)
+    with pytest.raises(Problem, match=r"^data.dataset: every document of split train is a single token") as e:
+        pipeline.ensure(cfg)
+    assert "data.packing=true" in e.value.fix
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []
+
+
 @pytest.mark.parametrize("kind,limit", [("text", 4.5), ("chat", 5.0)])
 def test_prepared_data_is_compact(tiny_model, tmp_path, kind, limit):
     """Token ids as int32, text's labels and every position derived, chat's targets one byte a token."""

@@ -384,6 +384,14 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
             "use a template that renders the assistant turns (a shipped name, or {% generation %} blocks), or set "
             "data.train_on_prompt=true",
         )
+    if train["single_token"] and not train["documents"]:  # unpacked: not a matter of the sequence's length
+        raise Problem(
+            "data.dataset",
+            d.dataset,
+            f"every document of split {d.split} is a single token once tokenized: nothing to predict (each token is "
+            "trained to predict the next one)",
+            "use longer texts, or set data.packing=true to join the documents (each followed by EOS)",
+        )
     if train["blocks"] == 0:
         raise Problem(
             "data.seq_length",
