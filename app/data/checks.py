@@ -1,6 +1,7 @@
 """The checks of a data source before any cluster starts: its files, splits and columns, and a sample of its rows
 (the first SAMPLE_ROWS of each file) read and, for chat data, rendered and masked as preparation will, so that bad
-input is one line naming the field, the value and the fix.
+input is one line naming the field, the value and the fix. Only where the sample has no answer to train on are the
+rest of the rows read (every_row), up to the first that has one.
 """
 
 from __future__ import annotations
