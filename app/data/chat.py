@@ -293,8 +293,8 @@ def unanswered_problem(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], ev
     sample alone never refuses; and the pass over the whole data is paid only by a set that is refused then (or
     whose answers start late). Without `every_row` the sample is all there is. Rows the format cannot train on
     are no answer; row_problem names them where they are read."""
-    if cfg.train_on_prompt or any(answered(row, fmt) for _, row in rows):
-        return None
+    if cfg.train_on_prompt or not rows or any(answered(row, fmt) for _, row in rows):
+        return None  # (no rows at all: the checks of an empty source say so)
     scope, read = f"the {len(rows):,} sampled rows", 0
     if every_row is not None:
         for read, row in enumerate(every_row(), 1):
