@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from app import data
 from app.config import DataConfig, ModelConfig
-from app.data import chat
+from app.data import chat, checks
 from app.errors import Problem
 from app.model import load_model
 
@@ -484,6 +484,81 @@ def test_bad_rows_are_refused_before_the_cluster_with_file_and_line(tmp_path, ti
     problems = data.check_source(cfg, ModelConfig(name_or_path=str(tiny_model)))
     assert [(p.field, p.value) for p in problems] == [("data.dataset", f"{path} line 3")], problems
     assert message in problems[0].message and problems[0].fix
+
+
+EMPTY_ANSWER = {"messages": [CONVERSATION[1], {"role": "assistant", "content": ""}]}
+
+
+def _written(kind: str, folder, rows) -> str:
+    """`rows` as a data source of the kind: JSON Lines (gzipped too), parquet, or a save_to_disk folder."""
+    import gzip
+
+    import datasets
+
+    if kind == "saved":
+        datasets.Dataset.from_list(rows).save_to_disk(str(folder / "saved"))
+        return str(folder / "saved")
+    if kind == "parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(folder / "chat.parquet"))
+        return str(folder / "chat.parquet")
+    path = write_jsonl(folder / "chat.jsonl", rows)
+    if kind == "jsonl.gz":
+        (folder / "chat.jsonl.gz").write_bytes(gzip.compress((folder / "chat.jsonl").read_bytes()))
+        (folder / "chat.jsonl").unlink()
+        return str(folder / "chat.jsonl.gz")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "parquet", "saved"])
+def test_answers_that_start_past_the_sample_are_found_and_none_at_all_is_refused(tmp_path, tiny_model, kind):
+    """Empty answers in every sampled row are no proof that the set has none: the checks read on, to the first
+    row with an answer (accepted), or to the end (refused, naming every row read); with data.train_on_prompt the
+    prompts are targets, so nothing is refused."""
+    model = ModelConfig(name_or_path=str(tiny_model))
+    empty = [EMPTY_ANSWER] * (checks.SAMPLE_ROWS + 5)
+    late = tmp_path / "late"
+    late.mkdir()
+    cfg = DataConfig(dataset=_written(kind, late, [*empty, {"messages": CONVERSATION}]), chat_template="zephyr")
+    assert data.check_source(cfg, model) == []
+    none = tmp_path / "none"
+    none.mkdir()
+    cfg = DataConfig(dataset=_written(kind, none, empty), chat_template="zephyr")
+    problems = data.check_source(cfg, model)
+    assert [(p.field, p.value) for p in problems] == [("data.dataset", cfg.dataset)], problems
+    assert f"every assistant answer in all {len(empty):,} rows is empty" in problems[0].message
+    assert "data.train_on_prompt=true" in problems[0].fix
+    assert data.check_source(cfg.model_copy(update={"train_on_prompt": True}), model) == []
+
+
+def test_an_answer_is_text_reasoning_or_a_tool_call_in_any_form():
+    """What counts as an answer (chat.answered), in each form a row comes in: the empty ones have only their
+    end-of-turn token as a target."""
+    ask = CONVERSATION[1]
+    for row, fmt, answered in [
+        ({"messages": [ask, {"role": "assistant", "content": "Yes."}]}, "chat", True),
+        ({"messages": [ask, {"role": "assistant", "content": " \n"}]}, "chat", False),
+        ({"messages": [ask, {"role": "assistant", "content": [{"type": "text", "text": ""}]}]}, "chat", False),
+        ({"messages": [ask, {"role": "assistant", "content": "", "reasoning_content": "Hm."}]}, "chat", True),
+        ({"messages": [ask, {"role": "assistant", "content": None, "tool_calls": [call("f", {})]}]}, "chat", True),
+        (
+            {"messages": [ask, {"role": "assistant", "content": ""}, ask, {"role": "assistant", "content": "Ok"}]},
+            "chat",
+            True,
+        ),
+        ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": ""}]}, "chat", False),
+        ({"instruction": "Say hi.", "output": ""}, "chat", False),
+        (
+            {
+                "prompt": [ask, {"role": "assistant", "content": "Yes."}],
+                "completion": [{"role": "assistant", "content": ""}],
+            },
+            "prompt_completion",
+            False,
+        ),
+        ({"prompt": "Q:", "completion": "A."}, "prompt_completion", True),
+    ]:
+        assert chat.row_problem(row, fmt) is None, row
+        assert chat.answered(row, fmt) is answered, row
 
 
 def test_a_template_that_fails_is_refused_with_the_row(tmp_path, tiny_model):

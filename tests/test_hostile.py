@@ -4,6 +4,7 @@ the fix, and writes nothing; rows without text are skipped and counted, never a 
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import time
@@ -35,6 +36,9 @@ def _saved(path: Path, columns: dict) -> None:
     import datasets
 
     datasets.Dataset.from_dict(columns).save_to_disk(str(path))
+
+
+ASK = {"role": "user", "content": "What is 2 and 2?"}
 
 
 def jsonl(*rows) -> bytes:
@@ -220,6 +224,35 @@ CASES = {
         ["data.dataset={tmp}/saved"],
         {"saved": lambda p: _saved(p, {"text": [1, 2]})},
         ("data.text_field", "column that holds the text"),
+    ),
+    # -- data with nothing to train on: every answer empty (its only target would be its end-of-turn token)
+    "every assistant answer empty": (
+        None,
+        ["data.dataset={tmp}/d.jsonl", "data.chat_template=zephyr"],
+        {"d.jsonl": jsonl(*[{"messages": [ASK, {"role": "assistant", "content": ""}]}] * 3)},
+        ("data.dataset: every assistant answer in all 3 rows is empty", "data.train_on_prompt=true"),
+    ),
+    "every assistant answer blank": (
+        None,
+        ["data.dataset={tmp}/d.jsonl.gz", "data.chat_template=zephyr", "data.packing=false"],
+        {"d.jsonl.gz": gzip.compress(jsonl(*[{"messages": [ASK, {"role": "assistant", "content": " \n "}]}] * 2))},
+        ("data.dataset: every assistant answer in all 2 rows is empty", "fill in the answers"),
+    ),
+    "every completion's answer empty": (
+        None,
+        ["data.dataset={tmp}/d.parquet", "data.chat_template=zephyr"],
+        {
+            "d.parquet": lambda p: _parquet(
+                p, {"prompt": [[ASK]] * 2, "completion": [[{"role": "assistant", "content": ""}]] * 2}
+            )
+        },
+        ("data.dataset: every assistant answer in all 2 rows is empty", "data.train_on_prompt=true"),
+    ),
+    "every alpaca output empty": (
+        None,
+        ["data.dataset={tmp}/saved", "data.chat_template=zephyr"],
+        {"saved": lambda p: _saved(p, {"instruction": ["Add 2 and 2.", "Say hi."], "output": ["", " "]})},
+        ("data.dataset: every assistant answer in all 2 rows is empty", "data.train_on_prompt=true"),
     ),
 }
 

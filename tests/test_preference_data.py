@@ -148,6 +148,15 @@ GOOD = preference_rows(3, seed=5)
         ({**GOOD[0], "rejected": GOOD[0]["chosen"]}, "the same 'chosen' and 'rejected'", "remove the row"),
         ({"prompt": "Q", "chosen": "A", "rejected": ""}, "has an empty 'rejected'", "fill it in"),
         (
+            {
+                "prompt": [{"role": "user", "content": "Q"}],
+                "chosen": [{"role": "assistant", "content": ""}],
+                "rejected": [{"role": "assistant", "content": " "}],
+            },
+            "'chosen' has only empty assistant turns",
+            "fill it in",
+        ),
+        (
             {"prompt": "Q", "chosen": [{"role": "assistant", "content": "A"}], "rejected": "B"},
             "mixes text and lists",
             "all as text",

@@ -309,6 +309,39 @@ def test_too_few_tokens_for_one_packed_block_is_named_and_nothing_is_kept(tiny_m
     assert list((tmp_path / "storage" / "prepared").iterdir()) == []
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_a_split_of_empty_answers_is_named_once_prepared_and_nothing_is_kept(tiny_model, tmp_path, packing):
+    """What the checks cannot read (a hub dataset, the rows a split's slice keeps) is judged once prepared: a
+    split whose every answer is empty (each one's end-of-turn token its only target) is refused naming the data,
+    not trained on (packed) nor reported as too short a seq_length (padded, where each is a single target); a
+    split with some empty answers prepares and counts them."""
+    ask = {"role": "user", "content": "Who won?"}
+    empty = {"messages": [ask, {"role": "assistant", "content": " "}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in [empty] * 6 + [{"messages": [ask, {**ask, "role": "assistant"}]}])
+    )
+    cfg = chat_config(tmp_path, tiny_model, dataset=str(path), split="train[:6]", packing=packing)
+    with pytest.raises(Problem, match=r"^data.dataset: every assistant answer in split train\[:6\] is empty") as e:
+        pipeline.ensure(cfg)
+    assert "data.train_on_prompt=true" in e.value.fix
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []
+    _, manifest = pipeline.ensure(chat_config(tmp_path, tiny_model, dataset=str(path), packing=packing))
+    assert manifest["splits"]["train"]["unanswered"] == 6 and manifest["splits"]["train"]["rows"] == 7
+
+
+def test_documents_of_a_single_token_unpacked_are_named_once_prepared(tiny_model, tmp_path):
+    """Unpacked, a document of one token has nothing to predict and is dropped: a split of only such documents is
+    refused naming the data and packing (not data.seq_length, which no length would help)."""
+    path = tmp_path / "short.jsonl"
+    path.write_text('{"text": "a"}\n' * 4)
+    cfg = config(tmp_path, tiny_model, dataset=str(path), packing=False)
+    with pytest.raises(Problem, match=r"^data.dataset: every document of split train is a single token") as e:
+        pipeline.ensure(cfg)
+    assert "data.packing=true" in e.value.fix
+    assert list((tmp_path / "storage" / "prepared").iterdir()) == []
+
+
 @pytest.mark.parametrize("kind,limit", [("text", 4.5), ("chat", 5.0)])
 def test_prepared_data_is_compact(tiny_model, tmp_path, kind, limit):
     """Token ids as int32, text's labels and every position derived, chat's targets one byte a token."""

@@ -266,6 +266,57 @@ def row_problem(row: dict[str, Any], fmt: str) -> tuple[str, str] | None:
     return None
 
 
+def answered(row: dict[str, Any], fmt: str) -> bool:
+    """Whether a row that passed row_problem has an answer to learn from: an assistant turn (of the completion, in
+    TRL's conversational form) with text, reasoning or a tool call. An empty answer still renders its end-of-turn
+    token as a target, so a set of empty answers would train, on nothing but stopping at once."""
+    turns = conversation(row, fmt)
+    if turns is None:
+        return True  # prompt/completion text: row_problem refuses an empty completion
+    messages, _, first_target = turns
+    return any(_says_something(m) for m in messages[first_target:] if m.get("role") == "assistant")
+
+
+def _says_something(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    if _text_parts(content):
+        content = "".join(part["text"] for part in content)
+    texts = (content, message.get("reasoning_content"))
+    return bool(message.get("tool_calls")) or any(isinstance(t, str) and t.strip() for t in texts)
+
+
+def unanswered_problem(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], every_row=None) -> Problem | None:
+    """data.dataset's problem when no row has an answer (`answered`) and data.train_on_prompt is off (on, the
+    prompts are targets): first the sample `rows`, then, only when none of them has one, `every_row()` (the
+    source's rows from its first, app.data.checks reads them), up to the first row that has one. A sample of
+    empty answers proves nothing of the rest (a file sorted by answer length starts with its empty ones), so the
+    sample alone never refuses; and the pass over the whole data is paid only by a set that is refused then (or
+    whose answers start late). Without `every_row` the sample is all there is. Rows the format cannot train on
+    are no answer; row_problem names them where they are read."""
+    if cfg.train_on_prompt or not rows or any(answered(row, fmt) for _, row in rows):
+        return None  # (no rows at all: the checks of an empty source say so)
+    scope, read = f"the {len(rows):,} sampled rows", 0
+    if every_row is not None:
+        for read, row in enumerate(every_row(), 1):
+            if row_problem(row, fmt) is None and answered(row, fmt):
+                return None
+        scope = f"all {read:,} rows" if read != 1 else "its one row"
+    return no_answer(cfg.dataset, scope)
+
+
+def no_answer(dataset, scope: str) -> Problem:
+    """The one line for a set without an answer to learn, before the cluster (unanswered_problem) and after its
+    preparation (app.data.pipeline, for what the checks could not read: a hub dataset, rows beyond a split's
+    slice)."""
+    return Problem(
+        "data.dataset",
+        dataset,
+        f"every assistant answer in {scope} is empty (no text in the assistant turns' 'content', no tool call): "
+        "only each answer's end-of-turn token would be a target, so there is nothing to train on",
+        "fill in the answers, or set data.train_on_prompt=true to train on the prompts",
+    )
+
+
 def _conversational_problem(prompt, completion) -> tuple[str, str] | None:
     """TRL's conversational prompt/completion: both lists of messages, the completion holding an assistant turn."""
     if not (isinstance(prompt, list) and isinstance(completion, list)):
@@ -733,10 +784,14 @@ def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
 MAX_REPORTED = 3  # bad rows named at once: enough to see a pattern, few enough to read
 
 
-def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], tokenizer_of: Callable) -> list[Problem]:
-    """The sampled rows (each with where it is) that this format cannot train on, then the first that the template
-    cannot render, then whether the template's own text is in the tokenizer's vocabulary (markers_problem; with the
-    tokenizer that `tokenizer_of()` loads; skipped when it cannot be loaded here)."""
+def sample_problems(
+    cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], tokenizer_of: Callable, every_row=None
+) -> list[Problem]:
+    """The sampled rows (each with where it is) that this format cannot train on, then whether any row has an
+    answer (unanswered_problem, which reads on through `every_row()` only when no sampled row has one), then the
+    first row that the template cannot render, then whether the template's own text is in the tokenizer's
+    vocabulary (markers_problem; with the tokenizer that `tokenizer_of()` loads; skipped when it cannot be loaded
+    here)."""
     problems = []
     for where, row in rows:
         if (problem := row_problem(row, fmt)) is not None:
@@ -745,6 +800,8 @@ def sample_problems(cfg, fmt: str, rows: list[tuple[str, dict[str, Any]]], token
                 break
     if problems:
         return problems
+    if unanswered := unanswered_problem(cfg, fmt, rows, every_row):
+        return [unanswered]
     rendered = [(where, turns) for where, row in rows if (turns := conversation(row, fmt)) is not None]
     if not rendered:
         return []

@@ -1,6 +1,7 @@
 """The checks of a data source before any cluster starts: its files, splits and columns, and a sample of its rows
 (the first SAMPLE_ROWS of each file) read and, for chat data, rendered and masked as preparation will, so that bad
-input is one line naming the field, the value and the fix.
+input is one line naming the field, the value and the fix. Only where the sample has no answer to train on are the
+rest of the rows read (every_row), up to the first that has one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import lzma
 import os
 from pathlib import Path
+from typing import Any, Iterator
 
 from app.config import DataConfig
 from app.data import chat, pairs
@@ -182,14 +184,15 @@ def _chat_sample_problems(
         for n in range(count):
             where = f"{file} {places[n]}" if n < len(places) else f"{file} row {n + 1}"
             rows.append((where, {c: v[n] if n < len(v) else None for c, v in values.items()}))
-    return rows_problems(cfg, fmt, rows, _tokenizer_of(model))
+    return rows_problems(cfg, fmt, rows, _tokenizer_of(model), lambda: every_row(files, kind))
 
 
-def rows_problems(cfg: DataConfig, fmt: str, rows: list, tokenizer_of) -> list[Problem]:
-    """The sampled rows' problems, by the format's own checks."""
+def rows_problems(cfg: DataConfig, fmt: str, rows: list, tokenizer_of, every_row=None) -> list[Problem]:
+    """The sampled rows' problems, by the format's own checks (`every_row()`: all the rows, for a check that must
+    look past the sample)."""
     if fmt == "preference":
         return pairs.sample_problems(cfg, rows, tokenizer_of)
-    return chat.sample_problems(cfg, fmt, rows, tokenizer_of)
+    return chat.sample_problems(cfg, fmt, rows, tokenizer_of, every_row)
 
 
 def looks_like_path(spec: str) -> bool:
@@ -374,7 +377,7 @@ def _saved_problems(cfg: DataConfig, model=None, preference: bool | None = None)
     if fmt != "text":
         sample = loaded.select(range(min(len(loaded), SAMPLE_ROWS))).to_list()
         rows = [(f"row {n + 1} of {cfg.dataset}", row) for n, row in enumerate(sample)]
-        return rows_problems(cfg, fmt, rows, _tokenizer_of(model))
+        return rows_problems(cfg, fmt, rows, _tokenizer_of(model), lambda: iter(loaded))
     field = cfg.text_field
     if field not in loaded.column_names:
         return [
@@ -401,3 +404,60 @@ def _saved_problems(cfg: DataConfig, model=None, preference: bool | None = None)
             )
         ]
     return []
+
+
+# --- past the sample, on a check's error path only ------------------------------------------------------------------
+def every_row(files: list[str], kind: str) -> Iterator[dict[str, Any]]:
+    """Every row of the files, in order, as plain records: for a check that the sample cannot settle (no sampled
+    row has an answer), read lazily so that it stops at the first row that settles it. Read simply, not as
+    `datasets` types it: only whether a value holds text matters here, and a line or file that cannot be read is
+    skipped (the sample or the preparation names it)."""
+    for file in files:
+        if not os.path.getsize(file):
+            continue
+        try:
+            yield from _records(file, kind)
+        except Exception:  # noqa: BLE001 - a damaged file raises many types (pyarrow's, pandas', lzma's)
+            continue
+
+
+def _records(file: str, kind: str) -> Iterator[dict[str, Any]]:
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=SAMPLE_ROWS):
+            yield from batch.to_pylist()
+    elif kind in CSV_SEPARATORS:
+        import pandas as pd
+
+        for frame in pd.read_csv(file, sep=CSV_SEPARATORS[kind], chunksize=10_000):
+            yield from frame.astype(object).where(frame.notna(), None).to_dict("records")
+    elif kind == "json":
+        yield from _json_records(file)
+
+
+def _json_records(file: str) -> Iterator[dict[str, Any]]:
+    """JSON Lines' objects line by line; a file whose first line is no object (one JSON document: a list of
+    objects, or an object of column lists), loaded whole."""
+    lines = False
+    with open_data(file) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                lines = True
+                yield record
+            elif not lines:
+                break
+    if lines:
+        return
+    with open_data(file) as f:
+        doc = json.load(f)
+    if isinstance(doc, list):
+        yield from (r for r in doc if isinstance(r, dict))
+    elif isinstance(doc, dict) and all(isinstance(c, list) for c in doc.values()):
+        yield from (dict(zip(doc, values)) for values in zip(*doc.values()))

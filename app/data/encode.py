@@ -89,15 +89,19 @@ class UnitEncoder:
     def _chat(self, rows: dict[str, list]) -> Unit:
         names = list(rows)
         n = len(rows[names[0]]) if names else 0
+        given = [{name: rows[name][i] for name in names} for i in range(n)]
         encoded, truncated, dropped = [], 0, 0
-        for ids, labels, ends in self.chat.many([{name: rows[name][i] for name in names} for i in range(n)]):
+        for ids, labels, ends in self.chat.many(given):
             kept = chat.fit(ids, labels, ends, self.cfg.seq_length)
             if kept is None:
                 dropped += 1
                 continue
             truncated += len(kept[0]) < len(ids)
             encoded.append(kept)
-        counts = {"rows": n, "too_long": dropped, "truncated": truncated}
+        # Rows whose answers are all empty (their only targets their end-of-turn tokens): a split of nothing else
+        # is refused once prepared (app.data.pipeline), as the checks refuse the files they read.
+        unanswered = 0 if self.cfg.train_on_prompt else sum(not chat.answered(row, self.fmt) for row in given)
+        counts = {"rows": n, "too_long": dropped, "truncated": truncated, "unanswered": unanswered}
         if not self.cfg.packing:
             trainable = [(ids, labels) for ids, labels in encoded if sum(lab != -100 for lab in labels) >= 2]
             counts["single_token"] = len(encoded) - len(trainable)
@@ -182,6 +186,11 @@ def report(counts: dict[str, int], what: str, cfg) -> None:
         log.warning(
             f"{cut + dropped:,} of {counts['rows']:,} conversations are longer than data.seq_length={cfg.seq_length}: "
             f"{cut:,} truncated at a turn boundary, {dropped:,} dropped (not even their first target turn fits)"
+        )
+    if counts.get("unanswered"):
+        log.warning(
+            f"{counts['unanswered']:,} of {counts['rows']:,} {what} conversations have only empty answers: their "
+            "only targets are the end-of-turn tokens"
         )
     if counts.get("single_token"):
         log.warning(f"skipped {counts['single_token']:,} {what} documents of a single token (nothing to predict)")

@@ -89,6 +89,8 @@ def _conversational_problem(row: dict[str, Any]) -> tuple[str, str] | None:
                 f"{column!r} has no assistant turn {where}",
                 "put each answer in an assistant turn" + (" after the shared prompt turns" if prompt is None else ""),
             )
+        if not any(chat._says_something(m) for m in answer if m.get("role") == "assistant"):  # as text's empty one
+            return f"{column!r} has only empty assistant turns (no answer to compare)", "fill it in, or remove the row"
     return None
 
 

@@ -377,6 +377,8 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
             f"split {d.split} has no row with text",
             "point data.dataset at data with text",
         )
+    if train["rows"] and train.get("unanswered") == train["rows"]:  # before blocks: unpacked, each such row is dropped
+        raise chat.no_answer(d.dataset, f"split {d.split}")
     if train["blocks"] and not train["targets"]:
         raise Problem(
             "data.chat_template",
@@ -385,6 +387,14 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
             "(every loss would be 0/0)",
             "use a template that renders the assistant turns (a shipped name, or {% generation %} blocks), or set "
             "data.train_on_prompt=true",
+        )
+    if train["single_token"] and not train["documents"]:  # unpacked: not a matter of the sequence's length
+        raise Problem(
+            "data.dataset",
+            d.dataset,
+            f"every document of split {d.split} is a single token once tokenized: nothing to predict (each token is "
+            "trained to predict the next one)",
+            "use longer texts, or set data.packing=true to join the documents (each followed by EOS)",
         )
     if train["blocks"] == 0:
         raise Problem(
@@ -400,7 +410,19 @@ def no_training_sequence(d: DataConfig, train: dict[str, Any]) -> None:
         )
 
 
-COUNTS = ("rows", "empty", "too_long", "truncated", "single_token", "documents", "tokens", "targets", "blocks", "cut")
+COUNTS = (
+    "rows",
+    "empty",
+    "too_long",
+    "truncated",
+    "unanswered",
+    "single_token",
+    "documents",
+    "tokens",
+    "targets",
+    "blocks",
+    "cut",
+)
 
 
 def run_split(cfg: TrainingConfig, sources: list[Source], name: str, tmp: Path, tokenizer) -> dict:
