@@ -368,7 +368,7 @@ def test_the_long_suite_builds_each_case_and_auto_chooses_as_predicted(tmp_path,
     monkeypatch.setattr(autoset, "host_memory", lambda cfg: (HOST, "test"))
     knobs = {case.name: k for case, k in _configs(tmp_path, bench.SUITES["long"], gpu_memory=143_771 * 2**20)}
     assert not [k for k in knobs.values() if isinstance(k, Exception)], knobs
-    assert {k["seq"] for k in knobs.values()} == {32_768, 131_072, 262_144, 524_288}
+    assert {k["seq"] for k in knobs.values()} == {32_768, 131_072, 262_144, 327_680, 524_288}
     for name, k in knobs.items():
         assert (k["micro_batch"], k["stage"], k["act_ckpt"], k["pure_bf16"], k["packing"]) == (1, 0, True, True, True)
         assert k["format"] == "chat" and (k["lora"] is None if "-full" in name else k["lora"]["r"] == 16), name
@@ -385,3 +385,6 @@ def test_the_long_suite_builds_each_case_and_auto_chooses_as_predicted(tmp_path,
     lora512 = knobs["long-l8b-512k"]["long_sequence"]
     assert full512["offload_checkpoints"] > lora512["offload_checkpoints"], (full256, full512)
     assert {name for name, k in knobs.items() if "trl" in k["command"]} == {"trl-long-l8b-128k", "trl-long-l8b-256k"}
+    # The H100's case: the longest the memory model allows on 80 GiB with this host, some layers kept on the GPU.
+    (h100,) = [k for _, k in _configs(tmp_path, [c for c in bench.LONG if c.name == "long-l8b-320k"], gpu_memory=H100)]
+    assert h100["long_sequence"]["tiled_mlp"] and 20 < h100["long_sequence"]["offload_checkpoints"] < 32, h100
