@@ -278,7 +278,9 @@ def _named(problem: Problem, where: str, given: str) -> Problem:
 # --- the choice, and what a resumed experiment keeps --------------------------------------------------------
 
 
-# Model types Liger patches (liger_kernel's MODEL_TYPE_TO_APPLY_LIGER_FN, in part), for where it is not importable.
+# Model types Liger patches (liger_kernel's MODEL_TYPE_TO_APPLY_LIGER_FN, in part): known without importing it, which
+# took the driver 0.9 s of its start-up on an H100 host (its Triton ops and every patched model's modelling code;
+# record 2026-12-06-driver-profile-h100.txt); only another type is looked up in liger_kernel's own table.
 LIGER_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"})
 
 
@@ -289,6 +291,8 @@ def liger(cfg: TrainingConfig, model_config: Any) -> bool:
     wanted, model_type = cfg.model.liger_kernels, getattr(model_config, "model_type", None)
     if wanted is False or (wanted == "auto" and importlib.util.find_spec("liger_kernel") is None):
         return False
+    if model_type in LIGER_TYPES:
+        return True
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except Exception:  # noqa: BLE001 - not importable here
