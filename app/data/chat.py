@@ -802,7 +802,7 @@ def sample_problems(
         return problems
     if unanswered := unanswered_problem(cfg, fmt, rows, every_row):
         return [unanswered]
-    rendered = [(where, turns) for where, row in rows if (turns := conversation(row, fmt)) is not None]
+    rendered = [(where, row, turns) for where, row in rows if (turns := conversation(row, fmt)) is not None]
     if not rendered:
         return []
     try:
@@ -810,38 +810,15 @@ def sample_problems(
     except Exception:  # noqa: BLE001 - e.g. a hub tokenizer out of reach from here: the run checks every row
         return []
     try:
-        template = template_of(cfg, tokenizer)
-        encoded = _encode_sample(cfg, rendered, template, tokenizer)
+        # As the preparation encodes: the rendered texts tokenized in one call (a call a row was 1.1 s of the driver's
+        # start-up for 1,000 rows on an H100 host: record 2026-12-06-driver-profile-h100.txt).
+        encoder = Encoder(cfg, fmt, tokenizer, [where for where, _, _ in rendered].__getitem__)
+        encoded = encoder.many([{**row, ROW: n} for n, (_, row, _) in enumerate(rendered)])
     except Problem as problem:
         return [problem]
-    where, (messages, _, _) = rendered[0]
-    problem = markers_problem(cfg, where, messages, template, tokenizer) or fit_problem(cfg, encoded)
+    where, _, (messages, _, _) = rendered[0]
+    problem = markers_problem(cfg, where, messages, encoder.template, tokenizer) or fit_problem(cfg, encoded)
     return [problem] if problem else []
-
-
-def _encode_sample(cfg, rendered: list, template: str, tokenizer) -> list[tuple[list[int], list[int], list[int]]]:
-    """encode_chat of each sampled conversation, the rendered texts tokenized in one call as Encoder.many does (a
-    call a row was 1.1 s of the driver's start-up for 1,000 rows on an H100 host: record
-    2026-12-06-driver-profile-h100.txt); a row the template cannot render raises its problem, named by its place."""
-    texts, failure = [], None
-    for where, (messages, tools, first_target) in rendered:
-        try:
-            texts.append((where, *render_chat(messages, template, tokenizer, tools, first_target)))
-        except TemplateError as exc:
-            failure = render_problem(cfg, where, exc)  # raised after the rows before it, as one at a time did
-            break
-    enc = {"input_ids": [], "offset_mapping": []}
-    if texts:
-        enc = tokenizer([text for _, text, _ in texts], add_special_tokens=False, return_offsets_mapping=True)
-    out = []
-    for (where, _, spans), ids, offsets in zip(texts, enc["input_ids"], enc["offset_mapping"]):
-        try:
-            out.append(masked(ids, offsets, spans, tokenizer, cfg.train_on_prompt))
-        except TemplateError as exc:
-            raise render_problem(cfg, where, exc) from None
-    if failure is not None:
-        raise failure
-    return out
 
 
 def fit_problem(cfg, encoded: list[tuple[list[int], list[int], list[int]]]) -> Problem | None:
