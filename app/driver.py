@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from app import autoset, contract, ds_config, logs, preemption, preflight
+from app import autoset, contract, ds_config, logs, preemption, preflight, prestart
 from app.config import ConfigError, Problem, TrainingConfig, stand_ins
 from app.lease import Lease
 from app.model import model_facts
@@ -192,6 +192,7 @@ def start_ray(cfg: TrainingConfig) -> None:
     if ray.is_initialized():
         return
     _ray_marks["driver"] = time.time()
+    train_env_settings(cfg)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(**logs.before_ray_init())  # workers get their environment through worker_runtime_env
     else:
@@ -204,6 +205,45 @@ def start_ray(cfg: TrainingConfig) -> None:
     logs.after_ray_init()
     _create_autoscaling_coordinator()
     _ray_marks["ray_started"] = time.time()
+    prestart_for(cfg)
+
+
+def train_env_settings(cfg: TrainingConfig) -> None:
+    """Variables Ray Train reads in its controller (it propagates them there from the driver's environment), set
+    before Ray starts: the processes started ahead for the controller (app.prestart) have them too."""
+    # A worker group that cannot be placed ends the run after this wait instead of waiting 60 s again and again
+    # (controller_failure_limit=0).
+    os.environ[preflight.START_TIMEOUT_ENV] = preflight.start_timeout_s(cfg)
+    # Ray Train's controller acts on what the workers did (a checkpoint reported, the loop ended, a worker died)
+    # only when it polls them, every 2 s by default: the end of a run reached the driver 4 s after the loop's
+    # (two polls). A poll is one small task per worker, and a worker that misses one is judged dead only after
+    # RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (10 min), so polling 4x as often costs nothing. The user's value wins.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+_prestarted = prestart.Prestarted()  # processes started ahead for Ray Train's actors
+
+
+def prestart_for(cfg: TrainingConfig) -> None:
+    """Processes for the run's controller and the workers the driver's node holds, started ahead (app.prestart),
+    or again when the environments changed or the first ones may have exited unused."""
+    _prestarted.ensure(prestart.worker_runtime_env(worker_env(cfg)), lambda: workers_on_this_node(cfg))
+
+
+def workers_on_this_node(cfg: TrainingConfig) -> int:
+    """How many of the run's workers Ray can place on the driver's node: all of them on a cluster this process
+    started; on one it joined, as many as the node's free CPUs and GPUs hold (a KubeRay head usually holds none)."""
+    import ray
+
+    s = cfg.scaling
+    if not os.environ.get("RAY_ADDRESS"):
+        return s.num_workers
+    here = ray.get_runtime_context().get_node_id()
+    free = next((n.get("Resources") or {} for n in ray.nodes() if n.get("NodeID") == here and n.get("Alive")), {})
+    fits = [free.get("CPU", 0) // s.cpus_per_worker if s.cpus_per_worker else s.num_workers]
+    if s.use_gpu:
+        fits.append(free.get("GPU", 0))
+    return int(min(s.num_workers, *fits))
 
 
 # Ray gives a local node a fixed 30 s to register with its GCS (ray/_private/node.py, not configurable); on a machine
@@ -310,18 +350,11 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
     from app.ray_backend import ProcessGroupConfig
     from app.train_loop import train_loop
 
-    env = worker_env(cfg)
-    # Ray Train reads it in its controller (it propagates this variable there): a worker group that cannot be
-    # placed ends the run after this wait instead of waiting 60 s again and again (controller_failure_limit=0).
-    os.environ[preflight.START_TIMEOUT_ENV] = preflight.start_timeout_s(cfg)
-    # Ray Train's controller acts on what the workers did (a checkpoint reported, the loop ended, a worker died)
-    # only when it polls them, every 2 s by default: the end of a run reached the driver 4 s after the loop's
-    # (two polls). A poll is one small task per worker, and a worker that misses one is judged dead only after
-    # RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (10 min), so polling 4x as often costs nothing. The user's value wins.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     start_ray(cfg)
     preemption.on_driver_sigterm(cfg.experiment_dir, lease_token)  # after ray.init, which sets its own handler
     where = data_for(cfg)  # prepared now, on the cluster's CPUs, unless it was: no training worker waits for it
+    train_env_settings(cfg)  # this config's, where Ray started for an earlier one (cluster_gpu_memory)
+    prestart_for(cfg)  # again only where the ones started with Ray may have exited unused, or were for other values
     now = time.time()  # start-up breakdown: the loop adds its own marks and logs the whole
     marks = {"driver": _ray_marks.get("driver", now), "ray_started": _ray_marks.get("ray_started", now)}
     s = cfg.scaling
@@ -350,7 +383,7 @@ def _fit(cfg: TrainingConfig, ds: dict[str, Any], lease_token: str):
             storage_path=str(Path(cfg.experiment.storage_path).expanduser().resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=s.max_failures, controller_failure_limit=0),
-            worker_runtime_env={"env_vars": env},
+            worker_runtime_env=prestart.worker_runtime_env(worker_env(cfg)),
         ),
     )
     try:

@@ -138,17 +138,21 @@ class MetricsLogger:
         )
         return record
 
-    def startup(self, marks: dict[str, float]) -> dict[str, Any]:
+    def startup(self, marks: dict[str, float], process: dict[str, Any] | None = None) -> dict[str, Any]:
         """How long each start-up phase took: `marks` are wall-clock times, in order, each ending the phase of
         its name (driver: the driver began starting Ray; ray_started; trainer: the driver handed Ray Train the
         trainer; worker: the loop began on its worker; imports; data; model; engine). The first step's record ends
-        the start-up."""
+        the start-up. `process`: how this worker's process began (app.prestart.this_process)."""
         names = list(marks)
         phases = {b: round(marks[b] - marks[a], 2) for a, b in zip(names[:-1], names[1:])}
-        record = {"marks": marks, "phases_s": phases}
+        record = {"marks": marks, "phases_s": phases, **({"worker_process": process} if process else {})}
         self.jsonl.write(json.dumps({"kind": "startup", "time": time.time(), **record}) + "\n")
         self.jsonl.flush()
-        log.info("start-up: " + ", ".join(f"{name} {sec:.1f}s" for name, sec in phases.items()))
+        began = ""
+        if process and process.get("started_ahead"):
+            preloaded = process.get("preloaded_s")
+            began = " (the worker's process started ahead" + (f", imports in {preloaded:.1f}s)" if preloaded else ")")
+        log.info("start-up: " + ", ".join(f"{name} {sec:.1f}s" for name, sec in phases.items()) + began)
         if self.mlflow:
             self.mlflow.metrics(self.start_step, {f"startup_{name}_s": sec for name, sec in phases.items()})
         return record

@@ -33,6 +33,7 @@ from app import (
     opbuild,
     preemption,
     preference_train,
+    prestart,
     profiling,
     sequence_parallel,
 )
@@ -249,12 +250,12 @@ def packed_documents_leak(forward, vocab_size: int, device) -> float:
 
 
 def start_metrics(model, cfg: TrainingConfig, total_steps: int, position: dict[str, Any], world: int, marks: dict):
-    """Rank 0's metrics logger, the start-up marks written first."""
+    """Rank 0's metrics logger, the start-up marks (and how its worker process began) written first."""
     flops = _flops_per_token(model, cfg)
     metrics = MetricsLogger(
         cfg.experiment_dir, total_steps, position["global_step"], flops, world, position.get("resumed_from")
     )
-    metrics.startup(marks)
+    metrics.startup(marks, prestart.this_process(marks.get("trainer", marks["worker"])))
     return metrics
 
 

@@ -56,6 +56,9 @@ def test_zero3_learns(runs):
     phases = ["ray_started", "trainer", "worker", "imports", "data", "model", "engine"]
     assert list(startup[0]["phases_s"]) == phases
     assert all(v >= 0 for v in startup[0]["phases_s"].values()), startup
+    # Rank 0's process was started ahead for Ray Train's workers, the loop's modules imported there while it waited
+    # (app.prestart): were the environments not Ray Train's own, its actors would have started processes of their own.
+    assert startup[0]["worker_process"]["started_ahead"] and startup[0]["worker_process"]["preloaded_s"] > 0, startup
     # FINETUNE_PROFILE_STEP: that step's profile, once, from rank 0 (no GPU here: no kernels, all idle).
     profiles = [r for r in records if r["kind"] == "profile"]
     assert [p["step"] for p in profiles] == [3] and profiles[0]["wall_ms"] > 0, profiles
