@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,15 +70,15 @@ def train_loop(loop_config: dict[str, Any]) -> None:
     start_worker(cfg, rank)
     marks["imports"] = time.time()
 
-    # Data: prepared before the workers started (app.data.pipeline); a loader that can start at any batch.
-    tokenizer = load_tokenizer(cfg.model)
-    chat.keep_template(tokenizer, cfg.data)
-    batches = Batches.prepare(cfg, tokenizer, loop_config["data"], rank, world)
-    policy = SavePolicy.of(cfg, batches.sequences, batches.replicas)
-
-    # Model and DeepSpeed engine.
+    # Data, opened in a thread while the model loads: prepared before the workers started (app.data.pipeline), a
+    # loader that can start at any batch. Then the DeepSpeed engine.
+    with ThreadPoolExecutor(1, thread_name_prefix="data") as pool:
+        opening = pool.submit(open_data, cfg, loop_config["data"], rank, world)
+        model = build_model(cfg, ds_config, marks)
+        tokenizer, batches = opening.result()
     marks["data"] = time.time()
-    model, engine, shards = build_engine(cfg, ds_config, policy.total_steps, batches.packed, marks)
+    policy = SavePolicy.of(cfg, batches.sequences, batches.replicas)
+    model, engine, shards = build_engine(cfg, ds_config, policy.total_steps, batches.packed, marks, model)
     options = loss_options(model, micro_batch_tokens(cfg))
     # Preference tuning: its reference in place (a pass stores it, before a resume loads any checkpoint).
     objective = preference_train.setup(cfg, engine, ds_config, batches.splits(), loop_config["data"], rank)
@@ -165,19 +166,40 @@ def micro_batch_tokens(cfg: TrainingConfig) -> int:
     return cfg.train.micro_batch_size * cfg.data.seq_length // cfg.scaling.sequence_parallel
 
 
-def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: int, packed: bool, marks: dict):
+def open_data(cfg: TrainingConfig, where: dict[str, str], rank: int, world: int) -> tuple[Any, Batches]:
+    """(the tokenizer, the batches): no collective, nothing on the GPU, so a thread opens them while the model
+    loads (the tokenizer's files and the dataset's are read meanwhile)."""
+    tokenizer = load_tokenizer(cfg.model)
+    chat.keep_template(tokenizer, cfg.data)
+    return tokenizer, Batches.prepare(cfg, tokenizer, where, rank, world)
+
+
+def build_model(cfg: TrainingConfig, ds_config: dict[str, Any], marks: dict):
+    """The model this worker trains (partitioned under ZeRO-3), in bf16 where DeepSpeed does not cast it; `marks`
+    gets the time it was ready."""
+    model = load_model(
+        preference_train.policy_model(cfg),
+        ds_config,
+        separate_documents=data.keeps_documents_apart(cfg.data),
+        tokens=micro_batch_tokens(cfg),
+    )
+    if plain_bf16(cfg):
+        model = model.to(torch.bfloat16)  # DeepSpeed's mixed precision is off: nothing else casts it
+    marks["model"] = time.time()
+    return model
+
+
+def build_engine(
+    cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: int, packed: bool, marks: dict, model=None
+):
     """(the model, the DeepSpeed engine over it, this worker's sequence shards or None), with the app's AdamW and
-    schedule unless the block names its own; `marks` gets the times the model and the engine were ready."""
+    schedule unless the block names its own; the model built here unless given; `marks` gets the time the engine
+    was ready."""
     import deepspeed
 
     started = time.perf_counter()
-    model = load_model(
-        preference_train.policy_model(cfg), ds_config, separate_documents=packed, tokens=micro_batch_tokens(cfg)
-    )
+    model = build_model(cfg, ds_config, marks) if model is None else model
     plain = plain_bf16(cfg)
-    if plain:
-        model = model.to(torch.bfloat16)  # DeepSpeed's mixed precision is off: nothing else casts it
-    marks["model"] = time.time()
     t = cfg.train
     offloaded = cfg.deepspeed.optimizer_offloaded
     optimizer = None if "optimizer" in ds_config else build_optimizer(model, t, offloaded, clips=plain)
@@ -198,7 +220,9 @@ def build_engine(cfg: TrainingConfig, ds_config: dict[str, Any], total_steps: in
         refuse_leaking_attention(engine, model.config)
     if cfg.model.compile:
         engine.compile()  # compiles lazily, at the first forward pass
-    log.info(f"model and DeepSpeed engine ready in {time.perf_counter() - started:.1f}s")
+    # From the loop's imports: the model loaded (and the data opened meanwhile), then the engine.
+    took = time.time() - marks["imports"] if "imports" in marks else time.perf_counter() - started
+    log.info(f"model and DeepSpeed engine ready in {took:.1f}s")
     marks["engine"] = time.time()
     return model, engine, shards
 

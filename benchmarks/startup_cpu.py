@@ -20,7 +20,7 @@ import yaml
 
 from benchmarks.runner import REPO, bench_env, launch_app, read_records, startup_phases, stop
 
-PHASES = ("launch_to_driver", "ray_started", "trainer", "worker", "imports", "data", "model", "engine", "first_step")
+PHASES = ("launch_to_driver", "ray_started", "trainer", "worker", "imports", "model", "data", "engine", "first_step")
 
 
 def config(model: Path, work: Path, name: str) -> dict:

@@ -53,7 +53,7 @@ def test_zero3_learns(runs):
     # the worker group, imports, data, model, engine.
     startup = [r for r in records if r["kind"] == "startup"]
     assert len(startup) == 1 and startup[0]["time"] <= steps[0]["time"], startup
-    phases = ["ray_started", "trainer", "worker", "imports", "data", "model", "engine"]
+    phases = ["ray_started", "trainer", "worker", "imports", "model", "data", "engine"]
     assert list(startup[0]["phases_s"]) == phases
     assert all(v >= 0 for v in startup[0]["phases_s"].values()), startup
     # Rank 0's process was started ahead for Ray Train's workers, the loop's modules imported there while it waited

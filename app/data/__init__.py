@@ -35,6 +35,7 @@ _HOMES = {
         "packed_batch",
         "PackedCollator",
         "PairCollator",
+        "keeps_documents_apart",
         "collator",
         "make_loader",
         "EvalShard",

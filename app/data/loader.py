@@ -118,9 +118,15 @@ class PairCollator:
         return batch
 
 
+def keeps_documents_apart(cfg: DataConfig) -> bool:
+    """Whether batches are packed blocks whose documents attention keeps apart (the collator says where each
+    begins): what the model's attention is chosen for, known before any data is opened."""
+    return cfg.packing and cfg.separate_documents
+
+
 def collator(cfg: DataConfig, tokenizer) -> PackedCollator | None:
     """The collate_fn for this data config: None (torch's default) unless packed documents are kept apart."""
-    return PackedCollator(tokenizer.eos_token_id) if cfg.packing and cfg.separate_documents else None
+    return PackedCollator(tokenizer.eos_token_id) if keeps_documents_apart(cfg) else None
 
 
 def make_loader(
