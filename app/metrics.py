@@ -142,7 +142,8 @@ class MetricsLogger:
         """How long each start-up phase took: `marks` are wall-clock times, in order, each ending the phase of
         its name (driver: the driver began starting Ray; ray_started; trainer: the driver handed Ray Train the
         trainer; worker: the loop began on its worker; imports; model: loaded, the data opened meanwhile; data: the
-        rest of the data's wait; engine). The first step's record ends the start-up. `process`: how this worker's process began (app.prestart.this_process)."""
+        rest of the data's wait; engine). The first step's record ends the start-up. `process`: how this worker's
+        process began (app.prestart.this_process)."""
         names = list(marks)
         phases = {b: round(marks[b] - marks[a], 2) for a, b in zip(names[:-1], names[1:])}
         record = {"marks": marks, "phases_s": phases, **({"worker_process": process} if process else {})}
