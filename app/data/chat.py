@@ -612,8 +612,20 @@ def encode_chat(
 ) -> tuple[list[int], list[int], list[int]]:
     """(token ids, labels, the token index after each target assistant turn: where a truncation may cut)."""
     text, spans = render_chat(messages, template, tokenizer, tools, first_target)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = with_offsets(tokenizer, text)
     return masked(enc["input_ids"], enc["offset_mapping"], spans, tokenizer, train_on_prompt)
+
+
+def with_offsets(tokenizer, text):
+    """The rendering(s) tokenized as they are (the template wrote the special tokens) with each token's character
+    span; only the ids and spans, as the masks and type ids are never read (a fifth of the call's time)."""
+    return tokenizer(
+        text,
+        add_special_tokens=False,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )
 
 
 def masked(ids, offsets, spans, tokenizer, train_on_prompt: bool, special=None):
@@ -647,7 +659,7 @@ def unknown_markers(messages, template: str, tokenizer) -> list[str]:
         return []
     bare = [{k: v for k, v in m.items() if k != "tool_calls"} | {"content": ""} for m in messages]
     text = _render(_plain(bare), template, tokenizer)[0]
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = with_offsets(tokenizer, text)
     pieces = (text[lo:hi] for t, (lo, hi) in zip(enc["input_ids"], enc["offset_mapping"]) if t == unk)
     return sorted({piece for piece in pieces if piece != tokenizer.unk_token})
 
@@ -732,7 +744,7 @@ class Encoder:
             rendered.append((len(out), row, text, spans))
             out.append(None)
         if rendered:
-            enc = self.tokenizer([r[2] for r in rendered], add_special_tokens=False, return_offsets_mapping=True)
+            enc = with_offsets(self.tokenizer, [r[2] for r in rendered])
             if self.special is None:
                 from app.data.tokens import special_ids
 
