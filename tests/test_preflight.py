@@ -497,7 +497,7 @@ def test_a_local_cluster_asks_ray_for_no_drain_watcher_and_the_users_value_wins(
     monkeypatch.setattr(driver, "_init_local_ray", lambda **kw: started.append("local"))
     monkeypatch.setattr(driver, "_create_autoscaling_coordinator", lambda: None)
     monkeypatch.setattr(driver.logs, "after_ray_init", lambda: None)
-    monkeypatch.setattr(driver, "prestart_for", lambda cfg: None)  # it asks the (here absent) raylet for processes
+    monkeypatch.setattr(driver, "prestart_for", lambda cfg: None)  # it reaches Ray: the ray.init stub counted here
     cfg = parse({"scaling": {"num_workers": 1, "use_gpu": False}})
     for environ, expected in [({}, "0"), ({ENABLE_PREEMPTION_WATCHER_ENV_VAR: "1"}, "1"), ({"RAY_ADDRESS": "h"}, None)]:
         monkeypatch.setattr(os, "environ", dict(environ))  # start_ray writes the environment: a copy, restored
