@@ -228,12 +228,15 @@ def error_lines(log: str, n: int = 6) -> str:
 # ---- the app runner ---------------------------------------------------------------------------------------
 
 
-# Set to a number of seconds, the driver process of every app case is sampled that long from its launch by py-spy
-# (where it is on PATH; 100 samples a second, idle time included, --nonblocking: never paused), whose stacks land
-# beside the case's log (LOG.driver-stacks.txt, py-spy's raw format): where launch to first step goes in the driver.
-# py-spy attaches to the driver from a session of its own, so that the case's end (its process group signalled)
-# leaves it to write what it sampled.
+# Set to a number of seconds, the process each case launches (the app's driver, a peer's torchrun) is sampled that
+# long from its launch by py-spy (where it is on PATH; 100 samples a second, idle time included, --nonblocking: never
+# paused), whose stacks land beside the case's log (LOG.driver-stacks.txt, py-spy's raw format): where launch to first
+# step goes. With BENCH_PROFILE_SUBPROCESSES=1 its descendants too (Ray's processes and the training workers, the
+# peer's torchrun workers), each stack led by its process chain (benchmarks/driver_profile.py --through picks one).
+# py-spy attaches from a session of its own, so that the case's end (its process group signalled) leaves it to write
+# what it sampled.
 PROFILE_DRIVER_ENV = "BENCH_PROFILE_DRIVER"
+PROFILE_SUBPROCESSES_ENV = "BENCH_PROFILE_SUBPROCESSES"
 
 
 def profile_driver(proc: subprocess.Popen, log_path: Path) -> None:
@@ -243,6 +246,8 @@ def profile_driver(proc: subprocess.Popen, log_path: Path) -> None:
         return
     out = log_path.with_suffix(".driver-stacks.txt")
     command = [spy, "record", "--pid", str(proc.pid), "--duration", seconds, "--idle", "--nonblocking", "-r", "100"]
+    if os.environ.get(PROFILE_SUBPROCESSES_ENV) == "1":
+        command.append("--subprocesses")
     with log_path.open("a") as log:
         subprocess.Popen(
             [*command, "-f", "raw", "-o", str(out)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -464,6 +469,7 @@ def run_hf(case: Case, cfg_path: Path, workers: int, out_json: Path, log_path: P
     with log_path.open("a") as log:
         launch = time.time()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    profile_driver(proc, log_path)
     failure = follow(proc, out_json, None, case.timeout, launch)
     if out_json.exists():
         return json.loads(out_json.read_text())

@@ -290,3 +290,24 @@ def test_longest_finds_the_length_where_the_memory_model_stops_and_says_why(caps
     assert small["longest"] >= 262144 and small["long_sequence"]["offload_checkpoints"] > 0, small
     assert "scaling.host_memory" in small["refused_next"], small
     assert large["longest"] >= small["longest"]
+
+
+def test_driver_profile_sums_the_driver_or_the_stacks_through_a_function(tmp_path, capsys):
+    from benchmarks import driver_profile
+
+    stacks = tmp_path / "stacks.txt"
+    driver = 'process 1:"python -m app.cli"'
+    worker = f'{driver};process 2:"ray::worker"'
+    stacks.write_text(
+        f"{driver};_run_module_as_main (<frozen runpy>:198);<module> (app/cli.py:5);main (app/cli.py:9) 30\n"
+        f"{worker};_bootstrap (threading.py:1);train_loop (app/train_loop.py:70);"
+        "build_model (app/train_loop.py:180);from_pretrained (transformers/modeling_utils.py:5) 120\n"
+        f"{worker};_bootstrap (threading.py:1);poll (ray/x.py:1) 50\n"
+    )
+    assert driver_profile.main([str(stacks)]) == 0
+    out = capsys.readouterr().out
+    assert "0.30s  cli.<module> > cli.main" in out and "train_loop" not in out
+    assert driver_profile.main([str(stacks), "--through", "train_loop.train_loop"]) == 0
+    out = capsys.readouterr().out
+    assert "1.20s  train_loop.train_loop > train_loop.build_model > transformers:from_pretrained" in out
+    assert "1.20s  stacks through train_loop.train_loop in all" in out and "cli" not in out
